@@ -1,0 +1,110 @@
+"""Command line: parse flags (and SWARM_* variables), build a Peer, run it, print the summary.
+
+Exit codes: 0 on a finished run or a graceful stop (Ctrl-C, SIGTERM); 2 on bad flags, an
+unreachable --join or a swarm that refuses us, always as one line on stderr without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from .config import ConfigError, PeerConfig, field_names, from_env
+
+EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
+A flag on the command line wins over the environment."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2: argparse's default prints the usage block too
+        sys.stderr.write(f"peer.py: error: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = PeerConfig()
+    p = _Parser(prog="peer.py", description="Run one swarm peer: train together with the peers it finds.",
+                epilog=EPILOG)
+    a = p.add_argument
+    a("--host", help=f"address to listen on (default {d.host})")
+    a("--port", type=int, help="port to listen on; 0 picks any free port (default 0)")
+    a("--advertise", help="host[:port] the other peers should use to reach this one (default: --host)")
+    a("--join", help="host:port of any live member of the swarm to join")
+    a("--steps", type=int, help="stop once the swarm reaches this step, evaluate, and print a JSON summary "
+                                "(default 0: train until stopped)")
+    a("--batch-size", type=int, help=f"sequences per step on this peer (default {d.batch_size})")
+    a("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
+    a("--compression", help=f"none, topk, topk-int8 or topk-int4 (default {d.compression})")
+    a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")
+    a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
+    a("--seed", type=int, help=f"model initialisation seed; every peer of a swarm must use the same (default {d.seed})")
+    a("--data", help="train on these text files (a file or a directory) instead of the Python standard library")
+    a("--threads", type=int, help=f"torch threads for this peer (default {d.threads})")
+    a("--min-peers", type=int, help="wait until this many peers are training before the first step (default 1)")
+    a("--table-rows", type=int, help=f"rows of each hashed embedding table (default {d.table_rows})")
+    a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
+    a("--progress-interval", type=float, help=f"seconds between progress lines (default {d.progress_interval})")
+    a("--peer-id", help="this peer's id (default: random)")
+    a("-v", "--verbose", action="store_true", help="log membership and round events to stderr")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
+    args = build_parser().parse_args(argv)
+    values = from_env()
+    for name in field_names():
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    cfg = PeerConfig(**values)
+    cfg.validate()
+    return cfg, bool(args.verbose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, verbose = parse_config(argv)
+    except ConfigError as e:
+        sys.stderr.write(f"peer.py: error: {e}\n")
+        return 2
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        return asyncio.run(_run(cfg))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _run(cfg: PeerConfig) -> int:
+    from .node import JoinError, Peer
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        peer = Peer(cfg, out=out)
+    except ConfigError as e:
+        sys.stderr.write(f"peer.py: error: {e}\n")
+        return 2
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, peer.stop)
+    try:
+        await peer.start()
+        summary = await peer.run()
+    except JoinError as e:
+        sys.stderr.write(f"peer.py: error: {e}\n")
+        await peer.close()
+        return 2
+    except (ValueError, OSError) as e:  # e.g. unusable --data, port already taken
+        sys.stderr.write(f"peer.py: error: {e}\n")
+        await peer.close()
+        return 2
+    print(json.dumps(summary), flush=True)
+    return 0

@@ -1,0 +1,126 @@
+"""Every setting of a peer in one dataclass.
+
+CLI flags (peer.py) and environment variables (``SWARM_<FIELD>``, upper case) map onto these fields;
+a flag given on the command line wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4")
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or malformed; the message names the setting."""
+
+
+@dataclass
+class PeerConfig:
+    # networking
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str = ""  # host[:port] other peers should use; defaults to host:port
+    join: str = ""  # host:port of any live member
+    # training
+    steps: int = 0  # 0 = train until stopped; else stop once the swarm step reaches this
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    data: str = ""  # path of the user's text files; empty = the Python standard library
+    threads: int = 1
+    min_peers: int = 1  # wait until this many peers are alive before the first step
+    eval_batches: int = 8
+    # codec
+    compression: str = "topk-int8"
+    ratio: float = 0.01
+    warmup_steps: int = 20
+    clip_norm: float = 0.0  # 0 = no clipping
+    # model size
+    table_rows: int = 65536
+    # rounds
+    round_timeout: float = 20.0  # never wait longer than this for one round's payloads
+    max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
+    sync_timeout: float = 10.0  # a joiner waits at most this long for gradient traffic before syncing
+    # output
+    progress_interval: float = 3.0
+    peer_id: str = ""  # empty = random
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad setting."""
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
+        need(1 <= self.batch_size <= 4096, f"--batch-size must be in 1..4096, got {self.batch_size}")
+        need(0 < self.lr < 1, f"--lr must be in (0, 1), got {self.lr}")
+        need(1 <= self.threads <= 256, f"--threads must be in 1..256, got {self.threads}")
+        need(self.min_peers >= 1, f"--min-peers must be >= 1, got {self.min_peers}")
+        need(self.compression in COMPRESSION_MODES,
+             f"--compression must be one of {', '.join(COMPRESSION_MODES)}, got {self.compression!r}")
+        need(0 < self.ratio <= 1, f"--ratio must be in (0, 1], got {self.ratio}")
+        need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")
+        need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
+        need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
+        need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        if self.join:
+            parse_hostport(self.join, what="--join")
+        if self.advertise:
+            parse_hostport(self.advertise, what="--advertise", port_optional=True)
+        if self.data:
+            need(os.path.exists(self.data), f"--data {self.data!r} does not exist")
+
+
+def parse_hostport(text: str, *, what: str, port_optional: bool = False) -> tuple[str, int | None]:
+    """'host:port' (or '[v6]:port') -> (host, port); ConfigError on anything else."""
+    text = text.strip()
+    if text.startswith("http://"):
+        text = text[len("http://"):].rstrip("/")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if not sep:
+            raise ConfigError(f"{what} {text!r} is not host:port")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            host, port_text = text, ""
+    if not host:
+        raise ConfigError(f"{what} {text!r} has no host")
+    if not port_text:
+        if port_optional:
+            return host, None
+        raise ConfigError(f"{what} {text!r} needs a port (host:port)")
+    if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        raise ConfigError(f"{what} {text!r} has a bad port")
+    return host, int(port_text)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(PeerConfig) if f.name != "extra"]
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Settings found in SWARM_* variables, converted to each field's type."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    defaults = PeerConfig()
+    for name in field_names():
+        key = "SWARM_" + name.upper()
+        if key not in environ:
+            continue
+        raw = environ[key]
+        kind = type(getattr(defaults, name))
+        try:
+            out[name] = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+    return out

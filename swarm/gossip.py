@@ -1,0 +1,172 @@
+"""Gradient rounds: which payloads make up step t's aggregate, and when step t may be taken.
+
+Sans-I/O: the node feeds validated payloads and the current time in, and asks whether a round is
+complete. No sockets, no clocks of its own.
+
+Consistency model (see docs/design.md): synchronous rounds keyed by step, with a deadline.
+A peer applies round t once it holds a step-t payload from every *expected* peer (alive, and
+contributing), or once ``round_timeout`` has passed since it first asked. A payload that arrives
+after its round was taken is not dropped: it joins the next aggregate ("late"), unless it is more
+than ``max_staleness`` steps old. Contributions are summed in sender-id order, so peers that hold
+the same set of payloads compute the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+
+class Contribution(Protocol):
+    """What the round book needs of a decoded payload (swarm.codec.Decoded fits)."""
+
+    step: int
+    sender: str
+
+    def add_to(self, out, weight: float = 1.0) -> None: ...
+
+
+ACCEPTED, LATE, DUPLICATE, TOO_OLD, TOO_FAR_AHEAD = "accepted", "late", "duplicate", "too-old", "too-far-ahead"
+
+
+@dataclass
+class RoundResult:
+    """One round's inputs, in the order they are summed."""
+
+    step: int
+    on_time: list[Contribution]
+    late: list[Contribution]
+    missing: list[str]  # expected peers whose payload did not arrive
+    timed_out: bool
+
+    @property
+    def contributors(self) -> list[str]:
+        return [c.sender for c in self.on_time]
+
+    def divisor(self) -> int:
+        return max(1, len(self.on_time))
+
+
+@dataclass
+class RoundStats:
+    accepted: int = 0
+    late: int = 0
+    duplicate: int = 0
+    too_old: int = 0
+    too_far_ahead: int = 0
+    timed_out_rounds: int = 0
+
+
+@dataclass
+class RoundBook:
+    """Payloads by step and sender, for rounds this peer has not taken yet."""
+
+    step: int = 0  # the next round to take
+    max_ahead: int = 64  # refuse payloads this far in the future (bounds memory)
+    max_staleness: int = 16
+    pending: dict[int, dict[str, Contribution]] = field(default_factory=dict)
+    late: dict[tuple[int, str], Contribution] = field(default_factory=dict)
+    last_step_from: dict[str, int] = field(default_factory=dict)
+    round_started: dict[int, float] = field(default_factory=dict)
+    # rounds already taken remember who was in them, so a replayed payload is a duplicate, not late
+    taken: dict[int, frozenset[str]] = field(default_factory=dict)
+    stats: RoundStats = field(default_factory=RoundStats)
+
+    def offer(self, c: Contribution) -> str:
+        """File a validated payload; returns ACCEPTED, LATE, DUPLICATE, TOO_OLD or TOO_FAR_AHEAD."""
+        if c.step >= self.step + self.max_ahead:
+            self.stats.too_far_ahead += 1
+            return TOO_FAR_AHEAD
+        if c.step < self.step - self.max_staleness:
+            self.stats.too_old += 1
+            return TOO_OLD
+        if c.step < self.step:
+            key = (c.step, c.sender)
+            if key in self.late or self.was_taken(c.sender, c.step):
+                self.stats.duplicate += 1
+                return DUPLICATE
+            self.late[key] = c
+            self._seen(c)
+            self.stats.late += 1
+            return LATE
+        slot = self.pending.setdefault(c.step, {})
+        if c.sender in slot:
+            self.stats.duplicate += 1
+            return DUPLICATE
+        slot[c.sender] = c
+        self._seen(c)
+        self.stats.accepted += 1
+        return ACCEPTED
+
+    def _seen(self, c: Contribution) -> None:
+        self.last_step_from[c.sender] = max(c.step, self.last_step_from.get(c.sender, -1))
+
+    def was_taken(self, sender: str, step: int) -> bool:
+        return sender in self.taken.get(step, ())
+
+    def has(self, step: int, sender: str) -> bool:
+        return sender in self.pending.get(step, {})
+
+    def senders(self, step: int) -> list[str]:
+        return sorted(self.pending.get(step, {}))
+
+    def missing(self, step: int, expected: Iterable[str]) -> list[str]:
+        have = self.pending.get(step, {})
+        return sorted(p for p in set(expected) if p not in have)
+
+    def ready(self, step: int, expected: Iterable[str], now: float, timeout: float) -> bool:
+        """True once every expected peer's step payload is here, or the round's deadline passed."""
+        started = self.round_started.setdefault(step, now)
+        return not self.missing(step, expected) or now - started >= timeout
+
+    def deadline(self, step: int, now: float, timeout: float) -> float:
+        return self.round_started.setdefault(step, now) + timeout
+
+    def take(self, step: int, expected: Iterable[str], now: float, timeout: float) -> RoundResult:
+        """Remove and return round ``step``: its payloads plus every late one, in sender order."""
+        if step != self.step:
+            raise ValueError(f"round {step} taken out of order (next is {self.step})")
+        missing = self.missing(step, expected)
+        started = self.round_started.pop(step, now)
+        timed_out = bool(missing) and now - started >= timeout
+        if timed_out:
+            self.stats.timed_out_rounds += 1
+        on_time = [c for _, c in sorted(self.pending.pop(step, {}).items())]
+        late = [self.late[k] for k in sorted(self.late, key=lambda k: (k[1], k[0]))]
+        self.late.clear()
+        self.taken[step] = frozenset(c.sender for c in on_time)
+        for c in late:
+            self.taken[c.step] = self.taken.get(c.step, frozenset()) | {c.sender}
+        for s in [s for s in self.taken if s < step - self.max_staleness]:
+            del self.taken[s]
+        self.step = step + 1
+        return RoundResult(step=step, on_time=on_time, late=late, missing=missing, timed_out=timed_out)
+
+    def reset(self, step: int) -> None:
+        """Jump to ``step`` (after a state sync): drop what is older, keep what is newer."""
+        for s in [s for s in self.pending if s < step]:
+            del self.pending[s]
+        self.late.clear()
+        self.taken.clear()
+        self.round_started.clear()
+        self.step = step
+
+    def active_senders(self, step: int, window: int) -> set[str]:
+        """Peers that sent a payload for a step within ``window`` of ``step``: they are contributing."""
+        return {p for p, s in self.last_step_from.items() if s >= step - window}
+
+    def forget(self, peer_id: str) -> None:
+        self.last_step_from.pop(peer_id, None)
+
+
+def aggregate_into(out, result: RoundResult) -> int:
+    """out (zeroed fp32 [n]) <- mean of the round's contributions; late ones join with the same weight.
+
+    Returns the number of contributions summed. Fixed order: on-time by sender, then late by sender.
+    """
+    weight = 1.0 / result.divisor()
+    count = 0
+    for c in result.on_time + result.late:
+        c.add_to(out, weight)
+        count += 1
+    return count

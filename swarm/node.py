@@ -1,0 +1,500 @@
+"""The Peer: wires membership, gradient rounds, the trainer and the HTTP server together.
+
+Data flows one way: batch -> forward/backward (training thread) -> codec -> POST to peers ->
+(peers) validated -> round book -> aggregate -> optimizer step. The event loop only moves bytes
+and makes decisions; every piece of compute runs on the training thread (``work``) or, for
+decoding received payloads, on a helper thread, so the peer keeps answering pings and pulls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from aiohttp import web
+
+from . import gossip
+from .codec import CodecConfig, Compressor, Encoded, HEADER
+from .config import PeerConfig, parse_hostport
+from .data import load_corpus
+from .membership import Member, Membership, MembershipConfig, SendLeave, SendPing, SendPingReq, SendSync
+from .trainer import Trainer
+from .transport import ByteCounts, PeerUnreachable, Transport
+from .wire import PROTOCOL_VERSION
+
+log = logging.getLogger("swarm")
+
+
+class JoinError(Exception):
+    """The swarm could not be joined (unreachable, or it refused us with a reason)."""
+
+
+@dataclass
+class Progress:
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    contributed: int = 0  # steps this peer computed a gradient for
+    started_at: float = 0.0
+    wire_bytes: int = 0  # gradient payload bytes produced (once, not per target)
+    dense_equiv: int = 0  # fp32 bytes of the same gradients
+    val_loss: float | None = None
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+
+
+class Peer:
+    def __init__(self, cfg: PeerConfig, out: Callable[[str], None] = print):
+        cfg.validate()
+        self.cfg = cfg
+        self.out = out
+        self.id = cfg.peer_id or os.urandom(8).hex()
+        self.counts = ByteCounts()
+        self.dense_bytes = 0  # what sending dense fp32 gradients to the same targets would have cost
+        self.progress = Progress()
+        self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.events: collections.deque[dict] = collections.deque(maxlen=200)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-train-{self.id[:6]}")
+        self._arrival = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._outboxes: dict[str, asyncio.Queue] = {}
+        self.transport = Transport(self.counts)
+        self.trainer: Trainer | None = None
+        self.compressor: Compressor | None = None
+        self.members: Membership | None = None
+        self.corpus_hash = ""
+        self.addr = ""
+        self.active = False  # contributing gradients (false while a joiner syncs)
+        self.started = False  # has begun its first step (joiners then need a state sync)
+        self.dropped_sends = 0
+        self.last_stats: dict[str, Any] = {}
+        self.last_sketch: list[float] | None = None  # refreshed every few steps on the training thread
+        self._runner: web.AppRunner | None = None
+
+    # -- compute off the event loop -------------------------------------------------------------
+    async def work(self, fn: Callable, *args: Any) -> Any:
+        """Run blocking compute on this peer's training thread, one call at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    # -- start-up ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Build the replica, start serving, and join the swarm if --join was given."""
+        torch.set_num_threads(self.cfg.threads)
+        corpus = await self.work(load_corpus, self.cfg.data or None)
+        self.corpus_hash = corpus.hash
+        self.trainer = await self.work(Trainer, self.cfg, corpus)
+        codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
+                                clip_norm=self.cfg.clip_norm or None)
+        codec_cfg.validate()
+        self.compressor = Compressor(self.trainer.manifest, codec_cfg, sender=self.id)
+
+        from .server import build_app  # the routes are a thin shell over this object
+
+        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.port = port
+        adv_host, adv_port = (parse_hostport(self.cfg.advertise, what="--advertise", port_optional=True)
+                              if self.cfg.advertise else (self.cfg.host, None))
+        if adv_host in ("0.0.0.0", "::", ""):
+            adv_host = "127.0.0.1"
+        self.addr = f"http://{_bracket(adv_host)}:{adv_port or port}"
+        self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
+                                  meta={"step": 0, "active": 0, "active_from": 0})
+        self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
+                 f"(model {self.trainer.manifest.numel / 1e6:.2f}M params, corpus {corpus.name} {corpus.hash[:12]})")
+        if self.cfg.join:
+            await self._join()
+        self._spawn(self._membership_loop())
+
+    async def _join(self) -> None:
+        host, port = parse_hostport(self.cfg.join, what="--join")
+        target = f"http://{_bracket(host)}:{port}"
+        body = self._hello()
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                reply = await self.transport.call(target, "/v1/join", body, timeout=5.0)
+                break
+            except PeerUnreachable as e:
+                if e.status is not None and 400 <= e.status < 500:
+                    raise JoinError(f"{target} refused to let us join: {e.reason}") from None
+                if time.monotonic() > deadline:
+                    raise JoinError(f"cannot reach {target} to join: {e.reason}") from None
+                await asyncio.sleep(0.5)
+        try:
+            self.members.handle_join_reply(reply.get("membership"), time.monotonic())
+            swarm_step, started = int(reply["step"]), bool(reply["started"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise JoinError(f"{target} sent a malformed join reply: {e}") from None
+        self.join_target = target
+        self._event("joined", f"through {target} at swarm step {swarm_step}")
+        if started:
+            self.book.reset(swarm_step)
+            self.started = True  # we must sync state before contributing
+
+    def _hello(self) -> dict:
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "corpus": self.corpus_hash,
+            "manifest": self.trainer.manifest.hash,
+            "membership": self.members.join_request(),
+        }
+
+    # -- membership shell ----------------------------------------------------------------------
+    async def _membership_loop(self) -> None:
+        alive_before = set(self.members.alive_ids())
+        while not self._stop.is_set():
+            for action in self.members.tick(time.monotonic()):
+                self._spawn(self._carry_out(action))
+            alive = set(self.members.alive_ids())
+            if alive != alive_before:
+                self._arrival.set()  # a round may now be complete (a peer died or left)
+                for gone in alive_before - alive:
+                    self._outboxes.pop(gone, None)
+                alive_before = alive
+            await asyncio.sleep(0.1)
+
+    async def _carry_out(self, action: Any) -> None:
+        cfg = self.members.config
+        now = time.monotonic
+        if isinstance(action, SendPing):
+            try:
+                reply = await self.transport.call(action.addr, "/v1/ping", action.msg, timeout=cfg.probe_timeout)
+                self._membership_call(self.members.handle_ack, action.probe_id, reply, now())
+            except PeerUnreachable:
+                for req in self.members.probe_failed(action.probe_id, now()):
+                    self._spawn(self._carry_out(req))
+        elif isinstance(action, SendPingReq):
+            try:
+                reply = await self.transport.call(action.via_addr, "/v1/ping-req", action.msg,
+                                                  timeout=2 * cfg.probe_timeout)
+                ok = bool(reply.get("ok"))
+                ack = reply.get("ack") if ok else None
+                self._membership_call(self.members.ping_req_result, action.probe_id, ok, ack, now())
+            except PeerUnreachable:
+                self.members.ping_req_result(action.probe_id, False, None, now())
+        elif isinstance(action, SendSync):
+            try:
+                reply = await self.transport.call(action.addr, "/v1/sync", action.msg, timeout=2.0)
+                self._membership_call(self.members.handle_sync_reply, reply, now())
+            except PeerUnreachable:
+                pass
+        elif isinstance(action, SendLeave):
+            try:
+                await self.transport.call(action.addr, "/v1/leave", action.msg, timeout=1.0)
+            except PeerUnreachable:
+                pass
+
+    def _membership_call(self, fn: Callable, *args: Any) -> None:
+        """Feed a peer's reply to the membership core; a malformed one is logged and dropped."""
+        try:
+            fn(*args)
+        except ValueError as e:
+            self.rejected["membership"] += 1
+            log.warning("dropped a malformed membership reply: %s", e)
+
+    async def forward_ping(self, ping: SendPing) -> dict:
+        """For /v1/ping-req: ping the target on a requester's behalf."""
+        try:
+            ack = await self.transport.call(ping.addr, "/v1/ping", ping.msg, timeout=self.members.config.probe_timeout)
+            return {"ok": True, "ack": ack}
+        except PeerUnreachable:
+            return {"ok": False}
+
+    # -- gradient rounds -------------------------------------------------------------------------
+    def expected(self, step: int) -> set[str]:
+        """Peers whose step payload round ``step`` waits for: live, and contributing by then."""
+        exp: set[str] = set()
+        for pid in self.members.live_ids(include_self=False):
+            m = self.members.get(pid)
+            if m is None:
+                continue
+            if m.meta.get("active") and int(m.meta.get("active_from", 0)) <= step:
+                exp.add(pid)
+        live = set(self.members.live_ids(include_self=False))
+        exp |= self.book.active_senders(step, window=2) & live
+        if self.active:
+            exp.add(self.id)
+        return exp
+
+    def offer(self, decoded: Any) -> str:
+        """File a validated payload from the network (called by the /v1/grads route)."""
+        verdict = self.book.offer(decoded)
+        if verdict in (gossip.ACCEPTED, gossip.LATE):
+            self._arrival.set()
+        return verdict
+
+    async def _wait_round(self, step: int) -> set[str]:
+        while True:
+            exp = self.expected(step)
+            if self.book.ready(step, exp, time.monotonic(), self.cfg.round_timeout) or self._stop.is_set():
+                return exp
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+
+    def _broadcast(self, enc: Encoded) -> None:
+        """Queue the same bytes for every live peer; a full queue drops its oldest payload."""
+        for pid in self.members.live_ids(include_self=False):
+            m = self.members.get(pid)
+            q = self._outboxes.get(pid)
+            if q is None:
+                q = self._outboxes[pid] = asyncio.Queue(maxsize=4)
+                self._spawn(self._sender(pid, m.addr, q))
+            if q.full():
+                q.get_nowait()
+                self.dropped_sends += 1
+            q.put_nowait(enc)
+
+    async def _sender(self, pid: str, addr: str, q: asyncio.Queue) -> None:
+        while not self._stop.is_set() and self._outboxes.get(pid) is q:
+            try:
+                enc: Encoded = await asyncio.wait_for(q.get(), 1.0)
+            except asyncio.TimeoutError:
+                continue
+            try:
+                await self.transport.request("POST", addr + "/v1/grads", body=enc.blob, timeout=30.0,
+                                             content_type="application/octet-stream",
+                                             headers={HEADER: enc.mode}, kind="grads",
+                                             reply_kind="control")
+                self.dense_bytes += enc.dense_bytes
+            except PeerUnreachable as e:
+                if e.status is not None:
+                    self.rejected["sent-refused"] += 1
+                    log.info("peer %s refused step %d payload: %s", pid[:8], enc.step, e.reason)
+
+    # -- the training loop --------------------------------------------------------------------
+    async def run(self) -> dict:
+        """Train until --steps is reached or stop() is called; then evaluate, leave, and summarise."""
+        try:
+            await self._until_ready()
+            if not self._stop.is_set():
+                await self._train()
+            if self.trainer.step > 0 or self.cfg.steps:
+                self.progress.val_loss = await self.work(self.trainer.evaluate)
+            sketch = self.last_sketch = await self.work(self.trainer.sketch)
+        finally:
+            await self.leave()
+        return self.summary(sketch)
+
+    async def _until_ready(self) -> None:
+        """Wait for --min-peers, or (a joiner of a running swarm) sync state and catch up first."""
+        if self.started:
+            await self._sync_state()
+        else:
+            self._become_active(0)
+            while not self._stop.is_set():
+                n = 1 + sum(1 for pid in self.members.alive_ids(include_self=False)
+                            if (m := self.members.get(pid)) and m.meta.get("active"))
+                if n >= self.cfg.min_peers:
+                    break
+                await asyncio.sleep(0.1)
+        self.started = True
+
+    def _become_active(self, from_step: int) -> None:
+        ids = self.members.alive_ids()
+        self.trainer.set_shard(ids.index(self.id), len(ids), seed=self.cfg.seed * 7919 + int(self.id[:8], 16))
+        self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
+        self.active = True
+        self._event("active", f"contributing from step {from_step}")
+
+    async def _sync_state(self) -> None:
+        """Download parameters and optimizer state from a live peer, then replay buffered rounds."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.cfg.sync_timeout and not self._stop.is_set():
+            others = {pid for pid in self.members.alive_ids(include_self=False)
+                      if (m := self.members.get(pid)) and m.meta.get("active")}
+            if others and others <= set(self.book.last_step_from):
+                break  # every contributor's traffic reaches us: no round after the snapshot is lost
+            await asyncio.sleep(0.1)
+        donor = self._pick_donor()
+        limit = 3 * self.trainer.manifest.numel * 4 + (1 << 20)
+        try:
+            blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
+                                                reply_limit=limit, kind="state")
+            step = await self.work(self.trainer.load_state_blob, blob, self.corpus_hash)
+        except (PeerUnreachable, ValueError) as e:
+            raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
+        self.book.reset(step)
+        self._event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
+        # Replay every round whose payloads are all here, then join at the front a few steps on,
+        # so that the others know to wait for us before our first payload is due.
+        while not self._stop.is_set():
+            exp = self.expected(self.book.step)
+            if not exp or self.book.missing(self.book.step, exp):
+                break
+            await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(), 0))
+        start = self.book.step + 4
+        self._become_active(start)
+        for pid in self.members.alive_ids(include_self=False):
+            m = self.members.get(pid)
+            self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+        while self.book.step < start and not self._stop.is_set():
+            exp = self.expected(self.book.step) - {self.id}
+            await self._wait_round(self.book.step)
+            await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(),
+                                                               self.cfg.round_timeout))
+
+    def _pick_donor(self) -> Member:
+        best: Member | None = None
+        for pid in self.members.alive_ids(include_self=False):
+            m = self.members.get(pid)
+            if m and m.meta.get("active") and (best is None or int(m.meta.get("step", 0)) > int(best.meta.get("step", 0))):
+                best = m
+        if best is None:
+            raise JoinError("no live, contributing peer to sync state from")
+        return best
+
+    async def _train(self) -> None:
+        self.progress.started_at = time.monotonic()
+        last_print = time.monotonic()
+        while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
+            step = self.book.step
+            stats, flat = await self.work(self.trainer.compute)
+            enc: Encoded = await self.work(self.compressor.compress, flat, step)
+            self.book.offer(enc.decoded)
+            self._broadcast(enc)
+            self.progress.losses.append(stats.loss)
+            self.progress.tokens += stats.tokens
+            self.progress.contributed += 1
+            self.progress.wire_bytes += enc.wire_bytes
+            self.progress.dense_equiv += enc.dense_bytes
+            self.progress.skipped_steps = self.compressor.skipped_steps
+            exp = await self._wait_round(step)
+            result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
+            if result.timed_out:
+                self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
+            await self.work(self.trainer.apply, result)
+            self.members.set_meta(step=self.book.step)
+            if self.book.step % 10 == 0:
+                self.last_sketch = await self.work(self.trainer.sketch)
+            self.last_stats = {"k": enc.k, "mode": enc.mode, "contributors": len(result.on_time),
+                               "late": len(result.late)}
+            if time.monotonic() - last_print >= self.cfg.progress_interval:
+                last_print = time.monotonic()
+                self.out(self.progress_line())
+
+    def progress_line(self) -> str:
+        p = self.progress
+        elapsed = max(1e-9, time.monotonic() - p.started_at)
+        recent = p.losses[-10:]
+        loss = sum(recent) / len(recent) if recent else float("nan")
+        ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
+        return (f"step {self.book.step} loss {loss:.3f} tok/s {p.tokens / elapsed:.0f} "
+                f"peers {len(self.members.alive_ids())} sent {sum(self.counts.sent.values()) / 1e6:.2f}MB "
+                f"recv {sum(self.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
+
+    # -- leaving -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the peer to finish its current step and leave (signal handlers call this)."""
+        self._stop.set()
+        self._arrival.set()
+
+    async def leave(self) -> None:
+        """Tell the swarm we are going, then shut the server and threads down."""
+        if self.members is not None and self.members.get(self.id).state != "left":
+            # give queued payloads a moment to go out, so the others' last round is complete
+            t0 = time.monotonic()
+            while any(not q.empty() for q in self._outboxes.values()) and time.monotonic() - t0 < 3.0:
+                await asyncio.sleep(0.05)
+            actions = self.members.leave(time.monotonic())
+            await asyncio.gather(*(self._carry_out(a) for a in actions), return_exceptions=True)
+            self._event("left", "")
+        self._stop.set()
+        await self.close()
+
+    async def close(self) -> None:
+        self._stop.set()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.transport.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _event(self, kind: str, detail: str) -> None:
+        self.events.append({"at": time.time(), "kind": kind, "detail": detail})
+        log.info("%s %s", kind, detail)
+
+    def summary(self, sketch: list[float]) -> dict:
+        p = self.progress
+        tail = p.losses[-10:]
+        grads_sent = self.counts.sent.get("grads", 0)
+        return {
+            "peer_id": self.id,
+            "steps": self.book.step,
+            "steps_contributed": p.contributed,
+            "first_loss": p.losses[0] if p.losses else None,
+            "final_loss": sum(tail) / len(tail) if tail else None,
+            "val_loss": p.val_loss,
+            "bytes_sent": grads_sent,
+            "bytes_received": self.counts.received.get("grads", 0),
+            "control_bytes_sent": self.counts.sent.get("control", 0),
+            "state_bytes_received": self.counts.received.get("state", 0),
+            "dense_bytes": self.dense_bytes,
+            "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
+            "skipped_steps": p.skipped_steps,
+            "rounds_timed_out": self.book.stats.timed_out_rounds,
+            "late_payloads": self.book.stats.late,
+            "tokens": p.tokens,
+            "seconds": round(time.monotonic() - p.started_at, 2) if p.started_at else 0.0,
+            "param_sketch": sketch,
+        }
+
+    def status(self) -> dict:
+        """The /api/status document (see docs/protocol.md)."""
+        p = self.progress
+        members = []
+        if self.members is not None:
+            for m in self.members.members():
+                members.append({"peer_id": m.peer_id, "addr": m.addr, "state": m.state,
+                                "incarnation": m.incarnation, "step": int(m.meta.get("step", 0)),
+                                "active": bool(m.meta.get("active"))})
+        recent = p.losses[-10:]
+        elapsed = time.monotonic() - p.started_at if p.started_at else 0.0
+        return {
+            "peer_id": self.id,
+            "addr": self.addr,
+            "step": self.book.step,
+            "active": self.active,
+            "loss": sum(recent) / len(recent) if recent else None,
+            "val_loss": p.val_loss,
+            "tokens_per_s": p.tokens / elapsed if elapsed > 0 else 0.0,
+            "members": members,
+            "bytes_sent": dict(self.counts.sent),
+            "bytes_received": dict(self.counts.received),
+            "dense_bytes": self.dense_bytes,
+            "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
+            "rounds": vars(self.book.stats).copy(),
+            "rejected": dict(self.rejected),
+            "dropped_sends": self.dropped_sends,
+            "events": list(self.events)[-50:],
+            "param_sketch": self.last_sketch,
+        }
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+

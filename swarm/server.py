@@ -1,0 +1,168 @@
+"""aiohttp routes: parse, validate, hand to the peer's cores, answer. Nothing else lives here.
+
+Every route reads its body through a size limit before parsing it, and every malformed input is
+answered with a 4xx and a reason; nothing a request carries reaches the model unless the codec
+and the round book accepted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from . import gossip
+from .codec import CodecError, HEADER, MODES, decode_payload
+from .membership import MembershipError
+from .wire import PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body, unpack_map
+
+if TYPE_CHECKING:
+    from .node import Peer
+
+PEER = web.AppKey("peer", object)
+CONTROL_LIMIT = 256 * 1024  # membership and join messages
+# A sparse payload denser than this is larger than a dense one; the codec sends dense there instead.
+MAX_SPARSE_RATIO = 0.5
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    """Map validation failures to a 4xx with a reason; never leak a traceback."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return error_response(e.reason, e.status)
+    except MembershipError as e:
+        return error_response(f"bad membership message: {e}", 400)
+
+
+def _peer(request: web.Request) -> "Peer":
+    peer = request.app[PEER]
+    if peer.members is None or peer.trainer is None:
+        raise BadRequest("peer is starting", 503)
+    return peer
+
+
+async def _control(request: web.Request) -> dict:
+    return unpack_map(await read_body(request, CONTROL_LIMIT), CONTROL_LIMIT)
+
+
+async def join(request: web.Request) -> web.Response:
+    peer = _peer(request)
+    msg = await _control(request)
+    if msg.get("protocol") != PROTOCOL_VERSION:
+        raise BadRequest(f"protocol version {msg.get('protocol')!r} is not {PROTOCOL_VERSION}", 409)
+    if msg.get("corpus") != peer.corpus_hash:
+        raise BadRequest("corpus hash differs: this swarm trains on other data (check --data and the Python version)", 409)
+    if msg.get("manifest") != peer.trainer.manifest.hash:
+        raise BadRequest("model manifest differs: this swarm trains another model (check --table-rows)", 409)
+    if not isinstance(msg.get("membership"), dict):
+        raise BadRequest("join message lacks its membership part")
+    reply = peer.members.handle_join(msg["membership"], time.monotonic())
+    return msgpack_response({"membership": reply, "step": peer.book.step, "started": peer.started})
+
+
+async def ping(request: web.Request) -> web.Response:
+    peer = _peer(request)
+    return msgpack_response(peer.members.handle_ping(await _control(request), time.monotonic()))
+
+
+async def ping_req(request: web.Request) -> web.Response:
+    peer = _peer(request)
+    forward = peer.members.handle_ping_req(await _control(request), time.monotonic())
+    if forward is None:
+        return msgpack_response({"ok": False})
+    return msgpack_response(await peer.forward_ping(forward))
+
+
+async def sync(request: web.Request) -> web.Response:
+    peer = _peer(request)
+    return msgpack_response(peer.members.handle_sync(await _control(request), time.monotonic()))
+
+
+async def leave(request: web.Request) -> web.Response:
+    peer = _peer(request)
+    peer.members.handle_leave(await _control(request), time.monotonic())
+    return msgpack_response({"ok": True})
+
+
+async def grads(request: web.Request) -> web.Response:
+    """A peer's compressed gradient for one step (docs/protocol.md, "Gradient payload")."""
+    peer = _peer(request)
+    mode = request.headers.get(HEADER)
+    if mode not in MODES:
+        raise BadRequest(f"{HEADER} header must be one of {', '.join(MODES)}, got {mode!r}")
+    manifest = peer.trainer.manifest
+    limit = manifest.numel * 4 + (1 << 16)
+    body = await read_body(request, limit)
+    try:
+        decoded = await asyncio.to_thread(decode_payload, body, manifest, header_mode=mode,
+                                          max_ratio=MAX_SPARSE_RATIO, max_bytes=limit)
+    except CodecError as e:
+        peer.rejected["codec"] += 1
+        raise BadRequest(f"rejected payload: {e}") from None
+    if decoded.sender == peer.id:
+        peer.rejected["sender"] += 1
+        raise BadRequest("payload claims to come from this peer", 400)
+    member = peer.members.get(decoded.sender)
+    if member is None or member.state not in ("alive", "suspect"):
+        peer.rejected["sender"] += 1
+        raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409)
+    verdict = peer.offer(decoded)
+    if verdict not in (gossip.ACCEPTED, gossip.LATE):
+        peer.rejected[verdict] += 1
+        raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})", 409)
+    peer.counts.add_received("grads", len(body))
+    return web.json_response({"result": verdict, "step": peer.book.step})
+
+
+async def state(request: web.Request) -> web.StreamResponse:
+    """Dense parameters and optimizer state, streamed as one safetensors blob."""
+    peer = _peer(request)
+    if not peer.started or not peer.active:
+        raise BadRequest("this peer has no state to give yet (not training)", 503)
+    blob = await peer.work(peer.trainer.state_blob, peer.corpus_hash)
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                       "X-Swarm-Step": str(peer.trainer.step)})
+    resp.content_length = len(blob)
+    await resp.prepare(request)
+    view = memoryview(blob)
+    for i in range(0, len(blob), 1 << 20):
+        await resp.write(view[i:i + (1 << 20)])
+    await resp.write_eof()
+    peer.counts.add_sent("state", len(blob))
+    return resp
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[PEER].status())
+
+
+async def index(request: web.Request) -> web.Response:
+    peer = request.app[PEER]
+    return web.Response(text=_INDEX.replace("{peer}", peer.id), content_type="text/html")
+
+
+_INDEX = """<!doctype html><html><head><meta charset="utf-8"><title>swarm peer {peer}</title></head>
+<body><h1>swarm peer {peer}</h1><p>Live status as JSON: <a href="/api/status">/api/status</a></p>
+<pre id="s"></pre><script>
+async function r(){try{const j=await (await fetch('/api/status')).json();
+document.getElementById('s').textContent=JSON.stringify(j,null,1)}catch(e){}}
+r();setInterval(r,2000);</script></body></html>"""
+
+
+def build_app(peer: "Peer") -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=CONTROL_LIMIT)
+    app[PEER] = peer
+    app.router.add_post("/v1/join", join)
+    app.router.add_post("/v1/ping", ping)
+    app.router.add_post("/v1/ping-req", ping_req)
+    app.router.add_post("/v1/sync", sync)
+    app.router.add_post("/v1/leave", leave)
+    app.router.add_post("/v1/grads", grads)
+    app.router.add_get("/v1/state", state)
+    app.router.add_get("/api/status", status)
+    app.router.add_get("/", index)
+    return app

@@ -1,0 +1,201 @@
+"""One peer's replica of the model: compute a gradient, apply an aggregate, evaluate, snapshot.
+
+Every method here is blocking compute and runs on the peer's single training thread (see
+node.Peer.work), never on the event loop. Methods are called one at a time in the order the node
+decides: there is no locking because there is no concurrency inside a replica.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .codec import Manifest
+from .config import PeerConfig
+from .data import BatchSampler, Corpus, val_batches
+from .gossip import RoundResult, aggregate_into
+from .model import ModelConfig, SwarmLM, param_sketch
+
+STATE_FORMAT = "swarm-state-1"
+
+
+class StateError(ValueError):
+    """A downloaded state does not fit this replica (wrong names, shapes, dtypes, non-finite)."""
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    grad_norm: float
+
+
+class Trainer:
+    def __init__(self, cfg: PeerConfig, corpus: Corpus):
+        self.cfg = cfg
+        self.corpus = corpus
+        self.model_cfg = ModelConfig(ngram_rows=cfg.table_rows, value_rows=cfg.table_rows, seed=cfg.seed)
+        self.model = SwarmLM(self.model_cfg)
+        self.manifest = Manifest.from_module(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = [e.name for e in self.manifest.entries]
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.step = 0  # rounds applied to this replica
+        self.sampler: BatchSampler | None = None
+        self._val = val_batches(corpus, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches)
+        self._agg = torch.zeros(self.manifest.numel, dtype=torch.float32)
+
+    # -- data -------------------------------------------------------------------------------
+    def set_shard(self, index: int, count: int, seed: int) -> None:
+        """Draw batches from this peer's shard of the training files."""
+        self.sampler = BatchSampler(self.corpus, self.cfg.batch_size, self.model_cfg.context, seed=seed,
+                                    shard=(index, count))
+
+    # -- one step ---------------------------------------------------------------------------
+    def compute(self) -> tuple[StepStats, torch.Tensor]:
+        """Forward and backward on the next batch; returns the loss and the flat fp32 gradient."""
+        assert self.sampler is not None, "set_shard first"
+        batch = self.sampler.next()
+        self.model.train()
+        for p in self.params:
+            p.grad = None
+        loss = self.model.loss(batch)
+        loss.backward()
+        flat = self.manifest.flatten_grads(self.model)
+        for p in self.params:
+            p.grad = None
+        tokens = batch.shape[0] * self.model_cfg.context
+        return StepStats(loss=float(loss.detach()), tokens=tokens, grad_norm=float(flat.norm())), flat
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over 20 steps, then cosine to 10% at cfg.steps (constant when unbounded)."""
+        warm = 20
+        if step < warm:
+            return self.cfg.lr * (step + 1) / warm
+        if self.cfg.steps <= warm:
+            return self.cfg.lr
+        t = min(1.0, (step - warm) / max(1, self.cfg.steps - warm))
+        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    @torch.no_grad()
+    def apply(self, result: RoundResult) -> int:
+        """Optimizer step on the mean of the round's contributions. Returns how many were summed."""
+        self._agg.zero_()
+        count = aggregate_into(self._agg, result)
+        if count:
+            grads = self.manifest.unflatten(self._agg)
+            for name, p in zip(self.names, self.params):
+                p.grad = grads[name]
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(self.step)
+            self.opt.step()
+            for p in self.params:
+                p.grad = None
+        self.step = result.step + 1
+        return count
+
+    # -- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out batches (identical on every peer)."""
+        self.model.eval()
+        losses = [float(self.model.loss(b)) for b in self._val]
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def sketch(self) -> list[float]:
+        return param_sketch(self.model)
+
+    # -- state transfer ---------------------------------------------------------------------
+    @torch.no_grad()
+    def state_blob(self, corpus_hash: str) -> bytes:
+        """Dense parameters and optimizer state as one safetensors blob (for GET /v1/state)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, p in zip(self.names, self.params):
+            tensors["p." + name] = p.detach().contiguous()
+            st = self.opt.state.get(p)
+            if st:
+                tensors["m." + name] = st["exp_avg"].contiguous()
+                tensors["v." + name] = st["exp_avg_sq"].contiguous()
+        opt_steps = {float(st["step"]) for st in self.opt.state.values()} if self.opt.state else {0.0}
+        meta = {
+            "format": STATE_FORMAT,
+            "step": str(self.step),
+            "opt_step": str(int(max(opt_steps))),
+            "manifest": self.manifest.hash,
+            "corpus": corpus_hash,
+        }
+        return st_save(tensors, metadata=meta)
+
+    @torch.no_grad()
+    def load_state_blob(self, blob: bytes, corpus_hash: str) -> int:
+        """Replace parameters and optimizer state from a peer's blob; returns its step.
+
+        Everything is checked before anything is written, so a bad blob leaves the replica as it was.
+        """
+        try:
+            tensors = st_load(blob)
+            meta = _safetensors_metadata(blob)
+        except Exception as e:  # safetensors raises its own error types on malformed input
+            raise StateError(f"malformed state blob: {e}") from None
+        if meta.get("format") != STATE_FORMAT:
+            raise StateError(f"state format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
+        if meta.get("manifest") != self.manifest.hash:
+            raise StateError("state was made for another model (manifest hash differs)")
+        if meta.get("corpus") != corpus_hash:
+            raise StateError("state was made on another corpus (corpus hash differs)")
+        try:
+            step = int(meta["step"])
+            opt_step = int(meta["opt_step"])
+        except (KeyError, ValueError):
+            raise StateError("state metadata lacks a valid step") from None
+        if step < 0 or opt_step < 0:
+            raise StateError("negative step in state")
+        has_opt = any(k.startswith("m.") for k in tensors)
+        expected = {"p." + n for n in self.names}
+        if has_opt:
+            expected |= {"m." + n for n in self.names} | {"v." + n for n in self.names}
+        if set(tensors) != expected:
+            extra = sorted(set(tensors) - expected)[:3]
+            missing = sorted(expected - set(tensors))[:3]
+            raise StateError(f"state tensors do not match the model (missing {missing}, unexpected {extra})")
+        for name, p in zip(self.names, self.params):
+            for prefix in ("p.", "m.", "v.") if has_opt else ("p.",):
+                t = tensors[prefix + name]
+                if t.shape != p.shape or t.dtype != p.dtype:
+                    raise StateError(f"{prefix}{name}: shape {tuple(t.shape)} {t.dtype}, expected "
+                                     f"{tuple(p.shape)} {p.dtype}")
+                if not torch.isfinite(t).all():
+                    raise StateError(f"{prefix}{name} holds non-finite values")
+        for name, p in zip(self.names, self.params):
+            p.copy_(tensors["p." + name])
+        self.opt.state.clear()
+        if has_opt:
+            for name, p in zip(self.names, self.params):
+                self.opt.state[p] = {
+                    "step": torch.tensor(float(opt_step)),
+                    "exp_avg": tensors["m." + name].clone(),
+                    "exp_avg_sq": tensors["v." + name].clone(),
+                }
+        self.step = step
+        return step
+
+
+def _safetensors_metadata(blob: bytes) -> dict[str, str]:
+    """The __metadata__ map of a safetensors blob (header parsed by hand: 8-byte length + JSON)."""
+    if len(blob) < 8:
+        raise ValueError("blob shorter than its header length field")
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    if hlen > len(blob) - 8 or hlen > 1 << 24:
+        raise ValueError("header length out of range")
+    header = json.loads(blob[8:8 + hlen])
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("metadata is not a string map")
+    return meta

@@ -1,0 +1,103 @@
+"""Outgoing HTTP: one aiohttp session per peer, a timeout on every call, bounded reply sizes.
+
+Thin on purpose: it moves bytes and counts them; what the bytes mean is decided elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .wire import MSGPACK_TYPE, pack, unpack_map
+
+
+class PeerUnreachable(Exception):
+    """A call to another peer failed (refused, timed out, or answered with an error status)."""
+
+    def __init__(self, addr: str, reason: str, status: int | None = None):
+        super().__init__(f"{addr}: {reason}")
+        self.addr = addr
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class ByteCounts:
+    sent: dict[str, int] = field(default_factory=dict)  # by kind: "grads", "control", "state"
+    received: dict[str, int] = field(default_factory=dict)
+
+    def add_sent(self, kind: str, n: int) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + n
+
+    def add_received(self, kind: str, n: int) -> None:
+        self.received[kind] = self.received.get(kind, 0) + n
+
+
+class Transport:
+    def __init__(self, counts: ByteCounts, headers: dict[str, str] | None = None):
+        self.counts = counts
+        self.headers = headers or {}
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=30, connect=5),
+                connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
+                headers=self.headers,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, url: str, *, body: bytes | None = None, timeout: float,
+                      content_type: str = MSGPACK_TYPE, headers: dict[str, str] | None = None,
+                      reply_limit: int = 1 << 20, kind: str = "control", reply_kind: str | None = None) -> bytes:
+        """One call; returns the reply body (at most ``reply_limit`` bytes) or raises PeerUnreachable.
+
+        The body's bytes are counted as ``kind``, the reply's as ``reply_kind`` (default: the same)."""
+        addr = url.split("/v1/")[0]
+        hdrs = {"Content-Type": content_type, **(headers or {})} if body is not None else dict(headers or {})
+        try:
+            async with self.session.request(method, url, data=body, headers=hdrs,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if body is not None:
+                    self.counts.add_sent(kind, len(body))
+                if r.content_length is not None and r.content_length > reply_limit:
+                    raise PeerUnreachable(addr, f"reply of {r.content_length} bytes is over {reply_limit}", r.status)
+                data = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    data += chunk
+                    if len(data) > reply_limit:
+                        raise PeerUnreachable(addr, f"reply over {reply_limit} bytes", r.status)
+                self.counts.add_received(reply_kind or kind, len(data))
+                if r.status >= 400:
+                    raise PeerUnreachable(addr, _reason(data) or f"HTTP {r.status}", r.status)
+                return bytes(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise PeerUnreachable(addr, f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__) from None
+
+    async def call(self, addr: str, path: str, msg: dict, *, timeout: float, kind: str = "control") -> dict:
+        """POST a msgpack map, return the msgpack map of the reply."""
+        data = await self.request("POST", addr + path, body=pack(msg), timeout=timeout, kind=kind)
+        try:
+            return unpack_map(data)
+        except Exception as e:
+            raise PeerUnreachable(addr, f"bad reply: {e}") from None
+
+
+def _reason(data: bytes) -> str:
+    """The 'error' field of a JSON error reply, if there is one."""
+    import json
+
+    try:
+        obj = json.loads(data[:4096])
+        return str(obj.get("error", ""))[:300] if isinstance(obj, dict) else ""
+    except Exception:
+        return data[:200].decode("utf-8", "replace")
