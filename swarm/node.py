@@ -25,7 +25,8 @@ from . import gossip
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import PeerConfig, parse_hostport
 from .data import load_corpus
-from .membership import Member, Membership, MembershipConfig, SendLeave, SendPing, SendPingReq, SendSync
+from .membership import (Member, Membership, MembershipConfig, MembershipError, SendLeave, SendPing, SendPingReq,
+                         SendSync)
 from .trainer import Trainer
 from .transport import ByteCounts, PeerUnreachable, Transport
 from .wire import PROTOCOL_VERSION
@@ -167,33 +168,33 @@ class Peer:
             await asyncio.sleep(0.1)
 
     async def _carry_out(self, action: Any) -> None:
-        cfg = self.members.config
+        """Do one membership action over HTTP and feed the outcome back to the core."""
         now = time.monotonic
         if isinstance(action, SendPing):
             try:
-                reply = await self.transport.call(action.addr, "/v1/ping", action.msg, timeout=cfg.probe_timeout)
-                self._membership_call(self.members.handle_ack, action.probe_id, reply, now())
-            except PeerUnreachable:
+                reply = await self.transport.call(action.addr, "/v1/ping", action.msg, timeout=action.timeout)
+                self.members.handle_ack(action.probe_id, reply, now())
+            except (PeerUnreachable, MembershipError) as e:
+                if isinstance(e, MembershipError):
+                    self.rejected["membership"] += 1
                 for req in self.members.probe_failed(action.probe_id, now()):
                     self._spawn(self._carry_out(req))
         elif isinstance(action, SendPingReq):
             try:
-                reply = await self.transport.call(action.via_addr, "/v1/ping-req", action.msg,
-                                                  timeout=2 * cfg.probe_timeout)
+                reply = await self.transport.call(action.via_addr, "/v1/ping-req", action.msg, timeout=action.timeout)
                 ok = bool(reply.get("ok"))
-                ack = reply.get("ack") if ok else None
-                self._membership_call(self.members.ping_req_result, action.probe_id, ok, ack, now())
-            except PeerUnreachable:
+                self.members.ping_req_result(action.probe_id, ok, reply.get("ack") if ok else None, now())
+            except (PeerUnreachable, MembershipError):
                 self.members.ping_req_result(action.probe_id, False, None, now())
         elif isinstance(action, SendSync):
             try:
-                reply = await self.transport.call(action.addr, "/v1/sync", action.msg, timeout=2.0)
+                reply = await self.transport.call(action.addr, "/v1/sync", action.msg, timeout=action.timeout)
                 self._membership_call(self.members.handle_sync_reply, reply, now())
             except PeerUnreachable:
                 pass
         elif isinstance(action, SendLeave):
             try:
-                await self.transport.call(action.addr, "/v1/leave", action.msg, timeout=1.0)
+                await self.transport.call(action.addr, "/v1/leave", action.msg, timeout=action.timeout)
             except PeerUnreachable:
                 pass
 
@@ -208,7 +209,7 @@ class Peer:
     async def forward_ping(self, ping: SendPing) -> dict:
         """For /v1/ping-req: ping the target on a requester's behalf."""
         try:
-            ack = await self.transport.call(ping.addr, "/v1/ping", ping.msg, timeout=self.members.config.probe_timeout)
+            ack = await self.transport.call(ping.addr, "/v1/ping", ping.msg, timeout=ping.timeout)
             return {"ok": True, "ack": ack}
         except PeerUnreachable:
             return {"ok": False}
