@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, help="port to listen on; 0 picks any free port (default 0)")
     a("--advertise", help="host[:port] the other peers should use to reach this one (default: --host)")
     a("--join", help="host:port of any live member of the swarm to join")
+    a("--join-timeout", type=float, help=f"seconds to keep retrying an unreachable --join (default {d.join_timeout})")
     a("--steps", type=int, help="stop once the swarm reaches this step, evaluate, and print a JSON summary "
                                 "(default 0: train until stopped)")
     a("--batch-size", type=int, help=f"sequences per step on this peer (default {d.batch_size})")

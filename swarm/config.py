@@ -25,6 +25,7 @@ class PeerConfig:
     port: int = 0
     advertise: str = ""  # host[:port] other peers should use; defaults to host:port
     join: str = ""  # host:port of any live member
+    join_timeout: float = 10.0  # keep retrying an unreachable --join this long, then give up
     # training
     steps: int = 0  # 0 = train until stopped; else stop once the swarm step reaches this
     batch_size: int = 16
@@ -70,6 +71,7 @@ class PeerConfig:
         need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         if self.join:
             parse_hostport(self.join, what="--join")

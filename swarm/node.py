@@ -123,7 +123,7 @@ class Peer:
         host, port = parse_hostport(self.cfg.join, what="--join")
         target = f"http://{_bracket(host)}:{port}"
         body = self._hello()
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + self.cfg.join_timeout
         while True:
             try:
                 reply = await self.transport.call(target, "/v1/join", body, timeout=5.0)
@@ -297,7 +297,7 @@ class Peer:
         if self.started:
             await self._sync_state()
         else:
-            self._become_active(0)
+            self._announce(0)
             while not self._stop.is_set():
                 n = 1 + sum(1 for pid in self.members.alive_ids(include_self=False)
                             if (m := self.members.get(pid)) and m.meta.get("active"))
@@ -305,12 +305,14 @@ class Peer:
                     break
                 await asyncio.sleep(0.1)
         self.started = True
-
-    def _become_active(self, from_step: int) -> None:
-        ids = self.members.alive_ids()
-        self.trainer.set_shard(ids.index(self.id), len(ids), seed=self.cfg.seed * 7919 + int(self.id[:8], 16))
-        self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
         self.active = True
+
+    def _announce(self, from_step: int) -> None:
+        """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
+        ids = self.members.alive_ids()
+        seed = self.cfg.seed * 7919 + int.from_bytes(self.id.encode()[:8], "little")
+        self.trainer.set_shard(ids.index(self.id), len(ids), seed=seed)
+        self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
         self._event("active", f"contributing from step {from_step}")
 
     async def _sync_state(self) -> None:
@@ -340,13 +342,12 @@ class Peer:
                 break
             await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(), 0))
         start = self.book.step + 4
-        self._become_active(start)
+        self._announce(start)
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
         while self.book.step < start and not self._stop.is_set():
-            exp = self.expected(self.book.step) - {self.id}
-            await self._wait_round(self.book.step)
+            exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
 

@@ -1,0 +1,119 @@
+"""Shared fixtures: small peer configs, in-process peers and `python peer.py` subprocesses.
+
+Every peer uses one torch thread and small tables so several fit on two cores; every process and
+task a test starts is stopped when the test ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.config import PeerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+torch.set_num_threads(1)
+
+SMALL = dict(table_rows=4096, batch_size=4, threads=1, progress_interval=0.5, eval_batches=2,
+             warmup_steps=0, round_timeout=15.0)
+
+
+def small_cfg(**kw) -> PeerConfig:
+    return PeerConfig(**{**SMALL, **kw})
+
+
+def rel_l2(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / max(a.norm(), b.norm(), 1e-12))
+
+
+class PeerProcess:
+    """`python peer.py ...` with its stdout collected line by line in the background."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        flags = []
+        for k, v in SMALL.items():
+            flags += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "peer.py"), *flags, *args], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.lines: list[str] = []
+
+    async def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        """Wait for a stdout line matching ``pattern``; returns the match."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        for line in self.lines:
+            if m := rx.search(line):
+                return m
+        while time.monotonic() < deadline:
+            line = await asyncio.wait_for(loop.run_in_executor(None, self.proc.stdout.readline),
+                                          max(0.1, deadline - time.monotonic()))
+            if not line:
+                break
+            self.lines.append(line.rstrip("\n"))
+            if m := rx.search(line):
+                return m
+        raise AssertionError(f"no line matching {pattern!r}; got {self.lines[-5:]}, stderr: {self.stderr_tail()}")
+
+    async def port(self) -> int:
+        return int((await self.read_until(r"listening on http://[^:]+:(\d+)")).group(1))
+
+    async def finish(self, timeout: float = 120.0) -> tuple[int, dict | None]:
+        """Wait for exit; returns (exit code, the JSON summary on the last stdout line or None)."""
+        loop = asyncio.get_running_loop()
+        out, _ = await asyncio.wait_for(loop.run_in_executor(None, self._communicate), timeout)
+        self.lines += out.splitlines()
+        last = self.lines[-1] if self.lines else ""
+        try:
+            summary = json.loads(last)
+        except ValueError:
+            summary = None
+        return self.proc.returncode, summary
+
+    def _communicate(self):
+        out = self.proc.stdout.read()
+        self.proc.wait()
+        return out, None
+
+    def stderr_tail(self) -> str:
+        if self.proc.poll() is None:
+            return "(running)"
+        return self.proc.stderr.read()[-2000:]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+@pytest.fixture
+def spawn():
+    """Start `python peer.py` subprocesses; all are killed at teardown."""
+    procs: list[PeerProcess] = []
+
+    def start(*args: str, env: dict | None = None) -> PeerProcess:
+        p = PeerProcess(*args, env=env)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+        try:
+            p.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for s in (p.proc.stdout, p.proc.stderr):
+            s.close()
