@@ -33,6 +33,8 @@ from .wire import PROTOCOL_VERSION
 
 log = logging.getLogger("swarm")
 
+SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
+
 
 class JoinError(Exception):
     """The swarm could not be joined (unreachable, or it refused us with a reason)."""
@@ -262,21 +264,28 @@ class Peer:
             q.put_nowait(enc)
 
     async def _sender(self, pid: str, addr: str, q: asyncio.Queue) -> None:
+        """Deliver queued payloads to one peer in step order, each retried briefly on a transient refusal."""
         while not self._stop.is_set() and self._outboxes.get(pid) is q:
             try:
                 enc: Encoded = await asyncio.wait_for(q.get(), 1.0)
             except asyncio.TimeoutError:
                 continue
-            try:
-                await self.transport.request("POST", addr + "/v1/grads", body=enc.blob, timeout=30.0,
-                                             content_type="application/octet-stream",
-                                             headers={HEADER: enc.mode}, kind="grads",
-                                             reply_kind="control")
-                self.dense_bytes += enc.dense_bytes
-            except PeerUnreachable as e:
-                if e.status is not None:
-                    self.rejected["sent-refused"] += 1
-                    log.info("peer %s refused step %d payload: %s", pid[:8], enc.step, e.reason)
+            for attempt in range(SEND_ATTEMPTS):
+                try:
+                    await self.transport.request("POST", addr + "/v1/grads", body=enc.blob, timeout=30.0,
+                                                 content_type="application/octet-stream",
+                                                 headers={HEADER: enc.mode}, kind="grads", reply_kind="control")
+                    self.dense_bytes += enc.dense_bytes
+                    break
+                except PeerUnreachable as e:
+                    # It has not heard of us yet (membership still spreading), or it is unreachable for
+                    # a moment: try again shortly. Any other refusal is final for this payload.
+                    transient = e.status is None or e.code == "unknown-sender"
+                    if not transient or attempt == SEND_ATTEMPTS - 1 or self._stop.is_set():
+                        self.rejected["sent-refused" if e.status else "sent-failed"] += 1
+                        log.info("step %d payload to %s not delivered: %s", enc.step, pid[:8], e.reason)
+                        break
+                    await asyncio.sleep(0.25 * (attempt + 1))
 
     # -- the training loop --------------------------------------------------------------------
     async def run(self) -> dict:

@@ -33,7 +33,7 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as e:
-        return error_response(e.reason, e.status)
+        return error_response(e.reason, e.status, e.code)
     except MembershipError as e:
         return error_response(f"bad membership message: {e}", 400)
 
@@ -109,11 +109,13 @@ async def grads(request: web.Request) -> web.Response:
     member = peer.members.get(decoded.sender)
     if member is None or member.state not in ("alive", "suspect"):
         peer.rejected["sender"] += 1
-        raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409)
+        raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409,
+                         code="unknown-sender")
     verdict = peer.offer(decoded)
     if verdict not in (gossip.ACCEPTED, gossip.LATE):
         peer.rejected[verdict] += 1
-        raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})", 409)
+        raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})",
+                         409, code=verdict)
     peer.counts.add_received("grads", len(body))
     return web.json_response({"result": verdict, "step": peer.book.step})
 

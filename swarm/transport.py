@@ -6,6 +6,7 @@ Thin on purpose: it moves bytes and counts them; what the bytes mean is decided 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -16,11 +17,12 @@ from .wire import MSGPACK_TYPE, pack, unpack_map
 class PeerUnreachable(Exception):
     """A call to another peer failed (refused, timed out, or answered with an error status)."""
 
-    def __init__(self, addr: str, reason: str, status: int | None = None):
+    def __init__(self, addr: str, reason: str, status: int | None = None, code: str = ""):
         super().__init__(f"{addr}: {reason}")
         self.addr = addr
         self.reason = reason
         self.status = status
+        self.code = code  # the peer's machine-readable refusal code, if it sent one
 
 
 @dataclass
@@ -78,7 +80,8 @@ class Transport:
                         raise PeerUnreachable(addr, f"reply over {reply_limit} bytes", r.status)
                 self.counts.add_received(reply_kind or kind, len(data))
                 if r.status >= 400:
-                    raise PeerUnreachable(addr, _reason(data) or f"HTTP {r.status}", r.status)
+                    reason, code = _reason(data)
+                    raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code)
                 return bytes(data)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise PeerUnreachable(addr, f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__) from None
@@ -92,12 +95,12 @@ class Transport:
             raise PeerUnreachable(addr, f"bad reply: {e}") from None
 
 
-def _reason(data: bytes) -> str:
-    """The 'error' field of a JSON error reply, if there is one."""
-    import json
-
+def _reason(data: bytes) -> tuple[str, str]:
+    """(reason, code) of a JSON error reply; the raw text and no code for anything else."""
     try:
         obj = json.loads(data[:4096])
-        return str(obj.get("error", ""))[:300] if isinstance(obj, dict) else ""
-    except Exception:
-        return data[:200].decode("utf-8", "replace")
+    except ValueError:
+        return data[:200].decode("utf-8", "replace"), ""
+    if not isinstance(obj, dict):
+        return "", ""
+    return str(obj.get("error", ""))[:300], str(obj.get("code", ""))[:40]

@@ -18,10 +18,11 @@ MSGPACK_TYPE = "application/msgpack"
 class BadRequest(Exception):
     """Input that must be answered with a 4xx; ``status`` and ``reason`` go to the client."""
 
-    def __init__(self, reason: str, status: int = 400):
+    def __init__(self, reason: str, status: int = 400, code: str = ""):
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        self.code = code  # machine-readable, for the few refusals a sender reacts to
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -70,6 +71,6 @@ def msgpack_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=pack(obj), status=status, content_type=MSGPACK_TYPE)
 
 
-def error_response(reason: str, status: int = 400) -> web.Response:
+def error_response(reason: str, status: int = 400, code: str = "") -> web.Response:
     """A 4xx with a reason in JSON, the same shape on every route."""
-    return web.json_response({"error": reason}, status=status)
+    return web.json_response({"error": reason, "code": code or "bad-request"}, status=status)

@@ -1,0 +1,156 @@
+"""Every route answers malformed or hostile input with a 4xx and a reason, and changes no parameter."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import aiohttp
+import msgpack
+import pytest
+import torch
+
+from swarm.codec import CodecConfig, Compressor, HEADER, Manifest
+from swarm.membership import Membership
+from swarm.node import Peer
+
+from .conftest import small_cfg
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def peer():
+    p = Peer(small_cfg(), out=lambda line: None)
+    await p.start()
+    yield p
+    await p.close()
+
+
+def snapshot(p: Peer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in p.trainer.model.state_dict().items()}
+
+
+def admit(p: Peer, peer_id: str) -> None:
+    """Make ``peer_id`` a member of p's swarm, as a join would."""
+    other = Membership(peer_id, "http://127.0.0.1:9", time.monotonic())
+    p.members.handle_join(other.join_request(), time.monotonic())
+
+
+def payload(p: Peer, sender: str, step: int = 0, manifest: Manifest | None = None, mode="topk-int8"):
+    manifest = manifest or p.trainer.manifest
+    comp = Compressor(manifest, CodecConfig(mode=mode, ratio=0.01), sender=sender)
+    g = torch.randn(manifest.numel, generator=torch.Generator().manual_seed(step))
+    return comp.compress(g, step)
+
+
+async def post(p: Peer, path: str, body: bytes, headers: dict | None = None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://127.0.0.1:{p.port}{path}", data=body, headers=headers or {}) as r:
+            if r.content_type == "application/msgpack":
+                return r.status, msgpack.unpackb(await r.read())
+            return r.status, await r.json(content_type=None)
+
+
+CONTROL_ROUTES = ["/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave"]
+GARBAGE = [b"", b"\x00\x01\x02", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"type": "ping"}),
+           msgpack.packb({"v": 1, "type": "ping", "from": 5}), msgpack.packb({"a": 1}) + b"trailing",
+           os.urandom(512)]
+
+
+@pytest.mark.parametrize("route", CONTROL_ROUTES)
+async def test_control_routes_refuse_garbage(peer, route):
+    before = snapshot(peer)
+    members_before = [(m.peer_id, m.state) for m in peer.members.members()]
+    for body in GARBAGE:
+        status, reply = await post(peer, route, body)
+        assert 400 <= status < 500, (route, body, status, reply)
+        assert reply["error"]
+    status, _ = await post(peer, route, b"\x80" * (300 * 1024))
+    assert status == 413
+    assert [(m.peer_id, m.state) for m in peer.members.members()] == members_before
+    after = snapshot(peer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+async def test_join_refuses_another_corpus_model_or_protocol(peer):
+    other = Membership("feedface00000000", "http://127.0.0.1:9", time.monotonic())
+    good = {"protocol": 1, "corpus": peer.corpus_hash, "manifest": peer.trainer.manifest.hash,
+            "membership": other.join_request()}
+    for key, value, needle in [("corpus", "0" * 64, "corpus"), ("manifest", "0" * 16, "manifest"),
+                               ("protocol", 99, "protocol")]:
+        status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
+        assert status == 409 and needle in reply["error"]
+    assert peer.members.get("feedface00000000") is None
+    status, reply = await post(peer, "/v1/join", msgpack.packb(good))
+    assert status == 200 and peer.members.get("feedface00000000") is not None
+
+
+async def test_grads_route_validates_everything_before_filing(peer):
+    before = snapshot(peer)
+    friend = "f00dbabe00000000"
+    admit(peer, friend)
+    enc = payload(peer, friend)
+    hdr = {HEADER: enc.mode}
+    other_manifest = Manifest.from_module(torch.nn.Linear(3, 2))
+    cases = [
+        (enc.blob, {}, 400, HEADER),  # no X-Compression header
+        (enc.blob, {HEADER: "gzip"}, 400, HEADER),
+        (enc.blob, {HEADER: "topk"}, 400, "rejected"),  # header disagrees with the blob
+        (enc.blob[: len(enc.blob) // 2], hdr, 400, "rejected"),  # truncated
+        (os.urandom(len(enc.blob)), hdr, 400, "rejected"),
+        (payload(peer, friend, manifest=other_manifest).blob, hdr, 400, "rejected"),
+        (payload(peer, "stranger00000000").blob, hdr, 409, "not a live member"),
+        (payload(peer, peer.id).blob, hdr, 400, "this peer"),
+        (payload(peer, friend, step=500).blob, hdr, 409, "too-far-ahead"),
+    ]
+    for body, headers, status, needle in cases:
+        got, reply = await post(peer, "/v1/grads", body, headers)
+        assert got == status and needle in reply["error"], (got, reply)
+    limit = peer.trainer.manifest.numel * 4 + (1 << 16)
+    got, _ = await post(peer, "/v1/grads", b"\0" * (limit + 1), hdr)
+    assert got == 413
+    assert peer.book.pending == {}  # nothing was filed
+    got, reply = await post(peer, "/v1/grads", enc.blob, hdr)
+    assert got == 200 and reply["result"] == "accepted"
+    got, reply = await post(peer, "/v1/grads", enc.blob, hdr)
+    assert got == 409 and "duplicate" in reply["error"]
+    assert peer.book.senders(0) == [friend]
+    after = snapshot(peer)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # filed, never applied by a route
+
+
+async def test_state_route_refuses_until_training_and_status_is_json(peer):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{peer.port}/v1/state") as r:
+            assert r.status == 503 and "no state" in (await r.json())["error"]
+        async with s.get(f"http://127.0.0.1:{peer.port}/api/status") as r:
+            st = await r.json()
+    assert st["peer_id"] == peer.id and st["step"] == 0
+    assert [m["peer_id"] for m in st["members"]] == [peer.id]
+    for key in ("loss", "bytes_sent", "bytes_received", "compression_ratio", "param_sketch"):
+        assert key in st
+
+
+async def test_state_blob_round_trip_and_hostile_blobs(peer):
+    """load_state_blob checks everything before writing: a bad blob leaves the replica unchanged."""
+    from safetensors.torch import save
+
+    from swarm.trainer import StateError
+
+    t = peer.trainer
+    blob = t.state_blob(peer.corpus_hash)
+    before = snapshot(peer)
+    bad = [b"", os.urandom(100), blob[:1000], save({"x": torch.zeros(1)}, metadata={"format": "swarm-state-1"})]
+    tensors = {"p." + n: p.detach().clone() for n, p in zip(t.names, t.params)}
+    tensors["p." + t.names[0]][0] = float("nan")
+    bad.append(save(tensors, metadata={"format": "swarm-state-1", "step": "3", "opt_step": "3",
+                                       "manifest": t.manifest.hash, "corpus": peer.corpus_hash}))
+    for b in bad:
+        with pytest.raises(StateError):
+            t.load_state_blob(b, peer.corpus_hash)
+    with pytest.raises(StateError):
+        t.load_state_blob(blob, "another corpus")
+    after = snapshot(peer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert t.load_state_blob(blob, peer.corpus_hash) == 0
