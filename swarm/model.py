@@ -44,6 +44,9 @@ class ModelConfig:
     ngram_orders: tuple[int, ...] = (2, 3, 4)
     value_rows: int = 65536
     seed: int = 0
+    # False: the tables live elsewhere (sharded across peers, swarm/tables); every forward then
+    # takes the rows it needs as ``table_rows`` and the model allocates no table memory.
+    local_tables: bool = True
 
     def __post_init__(self) -> None:
         self.ngram_orders = tuple(int(n) for n in self.ngram_orders)
@@ -167,7 +170,7 @@ class SwarmLM(nn.Module):
         self.tables = nn.ModuleDict({
             "ngram": nn.Embedding(cfg.ngram_rows, d),
             "value": nn.Embedding(cfg.value_rows, d),
-        })
+        } if cfg.local_tables else {})
         self.reset_parameters()
 
     @torch.no_grad()
@@ -191,7 +194,7 @@ class SwarmLM(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if not n.startswith("tables.")]
 
     def table_parameters(self) -> dict[str, nn.Parameter]:
-        return {name: self.tables[name].weight for name in TABLES}
+        return {name: self.tables[name].weight for name in TABLES if name in self.tables}
 
     # --- hashed table ids ---------------------------------------------------------------
 
@@ -223,6 +226,8 @@ class SwarmLM(nn.Module):
 
     def _lookup(self, name: str, ids: torch.Tensor, table_rows: TableRows | None) -> torch.Tensor:
         if table_rows is None or name not in table_rows:
+            if name not in self.tables:
+                raise KeyError(f"table {name!r} is not local to this model: pass its rows as table_rows")
             return F.embedding(ids, self.tables[name].weight)
         uids, rows = table_rows[name]
         flat = ids.reshape(-1).to(uids.device)
