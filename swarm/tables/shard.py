@@ -1,0 +1,359 @@
+"""The slots of one table that this peer holds, and the row-wise sparse optimizer (sans-I/O).
+
+Storage: one pool per tensor kind (rows, optimizer state, per-row step counter) holding the held slots
+back to back; slot s lives at pool[base[s] : base[s] + (hi - lo)]. A global row id maps to its pool
+index with one np.searchsorted over the held slots' first rows, so reads and updates are vectorised
+with no loop over rows or slots. Dropped slots leave holes that are reclaimed by compaction before
+the pool grows. Only held slots take memory (at most about twice their size).
+
+Optimizer (per touched row r, step counter t_r incremented first; all fp32 except the bias
+corrections, computed in float64 and rounded to fp32):
+    adam:    m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g*g
+             bc1 = 1 - b1**t_r ;  bc2 = 1 - b2**t_r
+             row = row - lr * (m / bc1) / (sqrt(v / bc2) + eps)
+    adagrad: acc = acc + g*g ;  row = row - lr * g / (sqrt(acc) + eps)
+Untouched rows (and their state) are never written: "lazy" Adam.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import numpy as np
+import torch
+
+from .ownership import OwnershipMap, TableSpec
+
+__all__ = ["RowOptConfig", "TableShard", "ShardError", "state_keys"]
+
+KINDS = ("adam", "adagrad")
+
+
+class ShardError(ValueError):
+    """A request the shard cannot apply (slot not held, bad shapes/dtypes, non-finite values)."""
+
+
+@dataclass
+class RowOptConfig:
+    kind: str = "adam"
+    lr: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if not (self.lr > 0 and np.isfinite(self.lr) and self.eps > 0 and np.isfinite(self.eps)):
+            raise ValueError("lr and eps must be finite and > 0")
+        self.betas = (float(b1), float(b2))
+
+
+def state_keys(kind: str) -> tuple[str, ...]:
+    """fp32 [n, dim] optimizer-state tensors of `kind` (besides "rows" and the int64 [n] "step")."""
+    return ("m", "v") if kind == "adam" else ("acc",)
+
+
+Layout = Union[OwnershipMap, int, Callable[[int], tuple[int, int]]]
+
+
+class TableShard:
+    """The slots of ONE table that this peer holds (as primary or replica): rows + per-row optimizer state."""
+
+    def __init__(self, spec: TableSpec, layout: Layout, opt: RowOptConfig | None = None):
+        self.spec = spec
+        self.opt = opt if opt is not None else RowOptConfig()
+        self.dim = spec.dim
+        if isinstance(layout, OwnershipMap):
+            if layout.spec(spec.name) != spec:
+                raise ValueError(f"ownership map has a different spec for table {spec.name!r}")
+            self._slot_rows = lambda s, _m=layout: _m.slot_rows(spec.name, s)
+        elif isinstance(layout, (int, np.integer)) and not isinstance(layout, bool):
+            n = min(int(layout), spec.rows)
+            if n < 1:
+                raise ValueError("n_slots must be >= 1")
+
+            def _rows(s, n=n, rows=spec.rows):
+                if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) < n:
+                    raise ValueError(f"slot must be an int in [0, {n}), got {s!r}")
+                return int(s) * rows // n, (int(s) + 1) * rows // n
+            self._slot_rows = _rows
+        elif callable(layout):
+            self._slot_rows = layout
+        else:
+            raise ValueError("layout must be an OwnershipMap, a slot count or a slot -> (lo, hi) callable")
+        self.state_keys = state_keys(self.opt.kind)
+        self._held: dict[int, tuple[int, int, int]] = {}   # slot -> (lo, hi, pool base)
+        self._cap = 0
+        self._used = 0
+        self._rows = torch.zeros(0, self.dim)
+        self._state = {k: torch.zeros(0, self.dim) for k in self.state_keys}
+        self._step = torch.zeros(0, dtype=torch.int64)
+        self._index()
+
+    # --- slots ------------------------------------------------------------------------------
+
+    def slots(self) -> list[int]:
+        return sorted(self._held)
+
+    def has_slot(self, slot) -> bool:
+        return isinstance(slot, (int, np.integer)) and not isinstance(slot, bool) and int(slot) in self._held
+
+    def rows_held(self) -> int:
+        return sum(hi - lo for lo, hi, _ in self._held.values())
+
+    def _range(self, slot) -> tuple[int, int]:
+        try:
+            lo, hi = self._slot_rows(slot)
+        except Exception as e:
+            raise ShardError(f"table {self.spec.name!r}: bad slot {slot!r}: {e}") from None
+        if not 0 <= lo < hi <= self.spec.rows:
+            raise ShardError(f"table {self.spec.name!r}: slot {slot!r} has a bad row range [{lo}, {hi})")
+        return int(lo), int(hi)
+
+    def _held_or_raise(self, slot) -> tuple[int, int, int]:
+        if not self.has_slot(slot):
+            raise ShardError(f"table {self.spec.name!r}: slot {slot!r} is not held here")
+        return self._held[int(slot)]
+
+    def reserve(self, rows: int) -> None:
+        """Pre-size the pool for `rows` held rows (e.g. the sum over the slots a new map gives us),
+        so a burst of create/import does not over-allocate by doubling."""
+        if rows > self._cap:
+            if self.rows_held() < self._used:
+                self._compact()
+            if rows > self._cap:
+                self._grow(int(rows))
+
+    def _alloc(self, n: int) -> int:
+        if self._used + n > self._cap:
+            live = self.rows_held()
+            if live < self._used:
+                self._compact()
+            if self._used + n > self._cap:
+                self._grow(max(self._used + n, 2 * self._cap, 64))
+        base = self._used
+        self._used += n
+        return base
+
+    def _grow(self, cap: int) -> None:
+        def grow(t):
+            out = t.new_empty((cap, *t.shape[1:]))  # only [:used] is meaningful
+            out[:self._used] = t[:self._used]
+            return out
+        self._rows = grow(self._rows)
+        self._state = {k: grow(v) for k, v in self._state.items()}
+        self._step = grow(self._step)
+        self._cap = cap
+
+    def _compact(self) -> None:
+        live = self.rows_held()
+        cap = max(live, 64)
+        rows, step = self._rows.new_empty(cap, self.dim), self._step.new_empty(cap)
+        state = {k: v.new_empty(cap, self.dim) for k, v in self._state.items()}
+        base = 0
+        for s in sorted(self._held):
+            lo, hi, old = self._held[s]
+            n = hi - lo
+            rows[base:base + n] = self._rows[old:old + n]
+            step[base:base + n] = self._step[old:old + n]
+            for k in state:
+                state[k][base:base + n] = self._state[k][old:old + n]
+            self._held[s] = (lo, hi, base)
+            base += n
+        self._rows, self._state, self._step, self._cap, self._used = rows, state, step, cap, base
+        self._index()
+
+    def _index(self) -> None:
+        order = sorted(self._held.items(), key=lambda kv: kv[1][0])
+        self._h_slot = np.array([s for s, _ in order], dtype=np.int64)
+        self._h_lo = np.array([v[0] for _, v in order], dtype=np.int64)
+        self._h_hi = np.array([v[1] for _, v in order], dtype=np.int64)
+        self._h_base = np.array([v[2] for _, v in order], dtype=np.int64)
+
+    def _place(self, slot: int, rows: torch.Tensor, state: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        lo, hi = self._range(slot)
+        n = hi - lo
+        if int(slot) in self._held:
+            base = self._held[int(slot)][2]
+        else:
+            base = self._alloc(n)
+        self._rows[base:base + n] = rows
+        for k in self.state_keys:
+            self._state[k][base:base + n] = state[k]
+        self._step[base:base + n] = step
+        self._held[int(slot)] = (lo, hi, base)
+        self._index()
+
+    def create_slot(self, slot: int) -> None:
+        """Hold `slot` with zero rows and zero state (overwrites it if already held)."""
+        lo, hi = self._range(slot)
+        n = hi - lo
+        self._place(slot, torch.zeros(n, self.dim), {k: torch.zeros(n, self.dim) for k in self.state_keys},
+                    torch.zeros(n, dtype=torch.int64))
+
+    def export_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies: "rows" fp32 [n, dim], state fp32 [n, dim] ("m","v" or "acc"), "step" int64 [n]."""
+        lo, hi, base = self._held_or_raise(slot)
+        n = hi - lo
+        out = {"rows": self._rows[base:base + n].clone()}
+        for k in self.state_keys:
+            out[k] = self._state[k][base:base + n].clone()
+        out["step"] = self._step[base:base + n].clone()
+        return out
+
+    def import_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold `slot` with these rows and state (validated first; nothing changes on ShardError)."""
+        lo, hi = self._range(slot)
+        n = hi - lo
+        want = {"rows", "step", *self.state_keys}
+        if not isinstance(tensors, dict) or set(tensors) != want:
+            got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+            raise ShardError(f"slot tensors must be exactly {sorted(want)}, got {got}")
+        self._check_values(tensors, n, f"slot {slot}")
+        self._place(slot, tensors["rows"], {k: tensors[k] for k in self.state_keys}, tensors["step"])
+
+    def drop_slot(self, slot: int) -> None:
+        self._held_or_raise(slot)
+        del self._held[int(slot)]
+        if not self._held:
+            self._used = 0
+        self._index()
+        if self._cap > 256 and self.rows_held() < self._cap // 4:
+            self._compact()  # give memory back once most of the pool is holes
+
+    def checksum(self, slot) -> str:
+        """sha256 (32 hex chars) of the slot's range, rows, state and step counters."""
+        t = self.export_slot(slot)
+        lo, hi, _ = self._held[int(slot)]
+        h = hashlib.sha256(f"{self.spec.name}:{lo}:{hi}:{self.opt.kind}".encode())
+        for k in ("rows", *self.state_keys, "step"):
+            h.update(t[k].contiguous().numpy().tobytes())
+        return h.hexdigest()[:32]
+
+    # --- validation -------------------------------------------------------------------------
+
+    def _check_values(self, t: dict[str, torch.Tensor], n: int, what: str) -> None:
+        for k in ("rows", *self.state_keys):
+            v = t[k]
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32 or tuple(v.shape) != (n, self.dim):
+                raise ShardError(f"{what}: {k!r} must be float32 [{n}, {self.dim}], got {_desc(v)}")
+            if not bool(torch.isfinite(v).all()):
+                raise ShardError(f"{what}: {k!r} has non-finite values")
+        for k in self.state_keys:
+            if k != "m" and bool((t[k] < 0).any()):
+                raise ShardError(f"{what}: {k!r} has negative values")
+        s = t["step"]
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or tuple(s.shape) != (n,):
+            raise ShardError(f"{what}: 'step' must be int64 [{n}], got {_desc(s)}")
+        if n and int(s.min()) < 0:
+            raise ShardError(f"{what}: 'step' has negative values")
+
+    def _pool_index(self, ids) -> torch.Tensor:
+        """Pool positions of global row ids (any order); ShardError if one's slot is not held."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.numpy()
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ShardError(f"ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        ids = ids.astype(np.int64, copy=False)
+        if not ids.size:
+            return torch.zeros(0, dtype=torch.int64)
+        pos = np.searchsorted(self._h_lo, ids, side="right") - 1
+        posc = np.maximum(pos, 0)
+        ok = (pos >= 0) & (ids < self._h_hi[posc]) if self._h_lo.size else np.zeros(ids.shape, bool)
+        if not bool(ok.all()):
+            bad = ids[~ok][:8].tolist()
+            raise ShardError(f"table {self.spec.name!r}: rows {bad} are not in a slot held here")
+        return torch.from_numpy(self._h_base[posc] + ids - self._h_lo[posc])
+
+    @staticmethod
+    def _sorted_unique(ids, what: str) -> np.ndarray:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.numpy()
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ShardError(f"{what}: ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+            raise ShardError(f"{what}: ids must be sorted and unique")
+        return ids
+
+    # --- rows -------------------------------------------------------------------------------
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        """fp32 [len(ids), dim] copies of the rows, in ids order."""
+        return self._rows.index_select(0, self._pool_index(ids))
+
+    def read_state(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """{"ids", "rows", state..., "step"} of these (sorted-unique) rows: a replica update."""
+        ids = self._sorted_unique(ids, "read_state")
+        idx = self._pool_index(ids)
+        out = {"ids": torch.from_numpy(ids.copy()), "rows": self._rows.index_select(0, idx)}
+        for k in self.state_keys:
+            out[k] = self._state[k].index_select(0, idx)
+        out["step"] = self._step.index_select(0, idx)
+        return out
+
+    def apply_grads(self, ids: np.ndarray, grads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One optimizer step on exactly these rows; returns the replica update
+        {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim]..., "step" int64 [k]}.
+        Transactional: on ShardError (bad ids/shapes, non-finite grads or results) nothing changes."""
+        ids = self._sorted_unique(ids, "apply_grads")
+        k = ids.size
+        if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != (k, self.dim):
+            raise ShardError(f"grads must be float32 [{k}, {self.dim}], got {_desc(grads)}")
+        if not bool(torch.isfinite(grads).all()):
+            raise ShardError("grads have non-finite values")
+        idx = self._pool_index(ids)
+        g = grads
+        row = self._rows.index_select(0, idx)
+        step = self._step.index_select(0, idx) + 1
+        o = self.opt
+        if o.kind == "adam":
+            b1, b2 = o.betas
+            m = self._state["m"].index_select(0, idx) * b1 + g * (1.0 - b1)
+            v = self._state["v"].index_select(0, idx) * b2 + g * g * (1.0 - b2)
+            t = step.to(torch.float64)
+            bc1 = (1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
+            bc2 = (1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
+            row = row - o.lr * (m / bc1) / (torch.sqrt(v / bc2) + o.eps)
+            new_state = {"m": m, "v": v}
+        else:
+            acc = self._state["acc"].index_select(0, idx) + g * g
+            row = row - o.lr * g / (torch.sqrt(acc) + o.eps)
+            new_state = {"acc": acc}
+        for name, tns in (("rows", row), *new_state.items()):
+            if not bool(torch.isfinite(tns).all()):
+                raise ShardError(f"the update makes {name!r} non-finite (gradient too large)")
+        self._rows.index_copy_(0, idx, row)
+        for key, tns in new_state.items():
+            self._state[key].index_copy_(0, idx, tns)
+        self._step.index_copy_(0, idx, step)
+        return {"ids": torch.from_numpy(ids.copy()), "rows": row, **new_state, "step": step}
+
+    def apply_replica_update(self, update: dict[str, torch.Tensor]) -> None:
+        """Overwrite rows, state and step counters of update["ids"] (validated; idempotent)."""
+        want = {"ids", "rows", "step", *self.state_keys}
+        if not isinstance(update, dict) or set(update) != want:
+            got = sorted(update) if isinstance(update, dict) else type(update).__name__
+            raise ShardError(f"replica update must be exactly {sorted(want)}, got {got}")
+        i = update["ids"]
+        if not isinstance(i, torch.Tensor) or i.dtype not in (torch.int64, torch.int32) or i.dim() != 1:
+            raise ShardError(f"replica update 'ids' must be int64/int32 1-D, got {_desc(i)}")
+        ids = self._sorted_unique(i.to(torch.int64), "replica update")
+        self._check_values(update, ids.size, "replica update")
+        idx = self._pool_index(ids)
+        self._rows.index_copy_(0, idx, update["rows"])
+        for k in self.state_keys:
+            self._state[k].index_copy_(0, idx, update[k])
+        self._step.index_copy_(0, idx, update["step"])
+
+
+def _desc(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{v.dtype} {tuple(v.shape)}"
+    return type(v).__name__

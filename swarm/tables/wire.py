@@ -1,0 +1,478 @@
+"""Wire formats of the sharded tables, and their hostile-input decoders (sans-I/O).
+
+    pull request    msgpack  {"v": 1, "view": str, "dtype": str, "ids": {table: bin (uint32 LE)}}
+    rows reply      safetensors: one tensor per table of the request, [len(ids), dim], in the asked dtype
+    push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16 [k, dim]; meta v, view, key
+    replica update  safetensors: "ids" I32 [k], "rows" F32 [k, dim], state F32 [k, dim], "step" I64 [k];
+                    meta v, table, view, key
+    slot hand-off   safetensors: "rows" F32 [n, dim], state F32 [n, dim], "step" I64 [n]; meta v, table, slot, view
+
+The safetensors container is parsed here, not by the safetensors library, so that every field is
+checked (exact keys, dtypes, shapes, offsets that tile the data exactly) before anything is allocated.
+Every decoder raises only WireError (a ValueError) with a reason. docs/tables.md has the byte layout.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import msgpack
+import numpy as np
+import safetensors.torch
+import torch
+
+from .ownership import OwnershipMap, TableSpec
+from .shard import state_keys
+
+__all__ = ["WireError", "DTYPES", "PullRequest", "PushRequest", "encode_pull", "decode_pull", "encode_rows",
+           "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
+           "decode_slot"]
+
+VERSION = 1
+DTYPES = {"fp32", "fp16", "bf16"}
+MAX_HEADER = 1 << 16          # safetensors JSON header; ours are a few hundred bytes
+MAX_KEY = 256
+_VIEW_RE = re.compile(r"[0-9a-f]{16}")
+_KEY_RE = re.compile(r"[^\s]{1,200}:(0|[1-9][0-9]{0,18})")
+_INT_RE = re.compile(r"0|[1-9][0-9]{0,9}")
+_TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
+_ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I32": ("<i4", 4), "I64": ("<i8", 8)}
+_FLOATS = ("F32", "F16", "BF16")
+_KINDS = ("adam", "adagrad")
+
+
+class WireError(ValueError):
+    """Malformed or invalid table message."""
+
+
+@dataclass
+class PullRequest:
+    view: str
+    dtype: str
+    ids: dict[str, np.ndarray]  # table -> sorted-unique row ids (decoded: int64)
+
+
+@dataclass
+class PushRequest:
+    view: str
+    key: str                            # idempotency key "peer:step"
+    ids: dict[str, np.ndarray]          # table -> sorted-unique row ids (decoded: int64)
+    grads: dict[str, torch.Tensor]      # table -> fp32 [len(ids), dim]
+
+
+def _guard(fn):
+    """Decoders raise WireError and nothing else, whatever the bytes."""
+    def wrapped(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except WireError:
+            raise
+        except Exception as e:  # numpy / msgpack / json / unicode / recursion errors on hostile bytes
+            raise WireError(f"malformed message: {type(e).__name__}: {str(e)[:200]}") from e
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_view(view) -> str:
+    if not isinstance(view, str) or not _VIEW_RE.fullmatch(view):
+        raise WireError(f"view must be 16 lowercase hex chars, got {str(view)[:40]!r}")
+    return view
+
+
+def _check_key(key) -> str:
+    if not isinstance(key, str) or len(key) > MAX_KEY or not _KEY_RE.fullmatch(key):
+        raise WireError(f"key must be 'peer:step' (no whitespace, step a decimal), got {str(key)[:60]!r}")
+    return key
+
+
+def _check_dtype(dtype) -> str:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise WireError(f"dtype must be one of {sorted(DTYPES)}, got {str(dtype)[:20]!r}")
+    return dtype
+
+
+def _spec(tables: Mapping[str, TableSpec], name) -> TableSpec:
+    if not isinstance(name, str) or name not in tables:
+        raise WireError(f"unknown table {str(name)[:60]!r}")
+    return tables[name]
+
+
+def _check_ids(ids: np.ndarray, rows: int, what: str) -> np.ndarray:
+    """Strictly increasing, in [0, rows); returns int64."""
+    ids = ids.astype(np.int64, copy=False)
+    if ids.size and (int(ids[0]) < 0 or int(ids[-1]) >= rows):
+        raise WireError(f"{what}: ids outside [0, {rows})")
+    if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+        raise WireError(f"{what}: ids must be strictly increasing")
+    return ids
+
+
+def _ids_in(ids, rows: int, what: str) -> np.ndarray:
+    """Encoder side: any integer array -> validated int64."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.numpy()
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise WireError(f"{what}: ids must be a 1-D integer array")
+    return _check_ids(ids, rows, what)
+
+
+def _finite(t: torch.Tensor, what: str) -> None:
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise WireError(f"{what} has non-finite values")
+
+
+def _meta(meta: dict, want: set[str]) -> None:
+    if set(meta) != want:
+        raise WireError(f"metadata keys must be {sorted(want)}, got {sorted(meta)[:8]}")
+    if meta["v"] != str(VERSION):
+        raise WireError(f"unsupported version {meta['v'][:10]!r}, expected {VERSION}")
+
+
+def _tables(tables) -> Mapping[str, TableSpec]:
+    return tables.tables if isinstance(tables, OwnershipMap) else tables
+
+
+# ----------------------------------------------------------------------------- safetensors container
+
+def _no_dupes(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise WireError("duplicate key in safetensors header")
+    return d
+
+
+class _Blob:
+    """A parsed, structurally validated safetensors blob: metadata + tensor table of contents."""
+
+    def __init__(self, data):
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise WireError(f"payload must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < 8:
+            raise WireError(f"truncated: {len(data)} bytes, no safetensors header")
+        hlen = int.from_bytes(data[:8], "little")
+        if hlen > MAX_HEADER:
+            raise WireError(f"safetensors header of {hlen} bytes exceeds {MAX_HEADER}")
+        if 8 + hlen > len(data):
+            raise WireError("truncated: header runs past the end")
+        header = json.loads(data[8:8 + hlen].decode("utf-8"), object_pairs_hook=_no_dupes)
+        if not isinstance(header, dict):
+            raise WireError("safetensors header is not a JSON object")
+        meta = header.pop("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) and len(v) <= 1024 for v in meta.values()):
+            raise WireError("metadata must map strings to strings")
+        start, body = 8 + hlen, len(data) - 8 - hlen
+        entries, spans = {}, []
+        for name, e in header.items():
+            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+                raise WireError(f"tensor {name[:60]!r}: entry must have exactly dtype, shape, data_offsets")
+            dt, shape, off = e["dtype"], e["shape"], e["data_offsets"]
+            if dt not in _ST:
+                raise WireError(f"tensor {name[:60]!r}: dtype {str(dt)[:10]!r} not allowed")
+            if (not isinstance(shape, list) or len(shape) > 4
+                    or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+                raise WireError(f"tensor {name[:60]!r}: bad shape")
+            if not isinstance(off, list) or len(off) != 2 or not all(type(o) is int for o in off):
+                raise WireError(f"tensor {name[:60]!r}: bad data_offsets")
+            a, b = off
+            if not 0 <= a <= b <= body or b - a != math.prod(shape) * _ST[dt][1]:
+                raise WireError(f"tensor {name[:60]!r}: data_offsets {off} do not fit shape {shape} {dt}")
+            spans.append((a, b))
+            entries[name] = (dt, tuple(shape), start + a)
+        pos = 0
+        for a, b in sorted(spans):
+            if a != pos:
+                raise WireError("tensor data overlaps or leaves gaps")
+            pos = b
+        if pos != body:
+            raise WireError(f"{body - pos} trailing bytes after the tensor data")
+        self.data, self.meta, self.entries = data, meta, entries
+
+    def names(self, want: set[str]) -> None:
+        if set(self.entries) != want:
+            raise WireError(f"tensors must be {sorted(want)[:8]}, got {sorted(self.entries)[:8]}")
+
+    def get(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """fp32 for float dtypes, int64 for integer ones."""
+        dt, shp, off = self.entries[name]
+        if dt not in dtypes:
+            raise WireError(f"tensor {name[:60]!r}: dtype {dt}, expected one of {dtypes}")
+        if shp != tuple(shape):
+            raise WireError(f"tensor {name[:60]!r}: shape {list(shp)}, expected {list(shape)}")
+        n = math.prod(shape)
+        if dt in _FLOATS:
+            if n == 0:
+                return torch.zeros(shape, dtype=torch.float32)
+            arr = np.frombuffer(self.data, _ST[dt][0], n, off)
+            if dt == "BF16":
+                arr = (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            return torch.from_numpy(arr.astype(np.float32).reshape(shape))
+        if n == 0:
+            return torch.zeros(shape, dtype=torch.int64)
+        return torch.from_numpy(np.frombuffer(self.data, _ST[dt][0], n, off).astype(np.int64).reshape(shape))
+
+
+def _save(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    return safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in tensors.items()}, metadata=meta)
+
+
+def _cast(t: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise WireError(f"{what} must be a float tensor")
+    out = t.detach().to("cpu", _TORCH[dtype])
+    _finite(out, f"{what} (as {dtype})")
+    return out
+
+
+# ----------------------------------------------------------------------------- pull
+
+def encode_pull(req: PullRequest) -> bytes:
+    _check_view(req.view)
+    _check_dtype(req.dtype)
+    ids = {}
+    for t, a in req.ids.items():
+        if not isinstance(t, str):
+            raise WireError("table names must be strings")
+        ids[t] = _ids_in(a, 1 << 32, f"pull {t!r}").astype("<u4").tobytes()
+    return msgpack.packb({"v": VERSION, "view": req.view, "dtype": req.dtype, "ids": ids}, use_bin_type=True)
+
+
+@_guard
+def decode_pull(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> PullRequest:
+    """Decode a pull request: known tables only, ids strictly increasing and < rows, at most
+    max_ids ids in total, a 16-hex view, a known dtype, no extra keys."""
+    tables = _tables(tables)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"payload must be bytes, got {type(data).__name__}")
+    cap = 1024 + 4 * max_ids + 32 * len(tables) + sum(len(t) for t in tables)
+    if len(data) > cap:
+        raise WireError(f"pull request of {len(data)} bytes exceeds {cap} for max_ids={max_ids}")
+    msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
+                          max_bin_len=4 * max_ids, max_str_len=1024, max_array_len=0,
+                          max_map_len=max(4, len(tables)), max_ext_len=0)
+    if not isinstance(msg, dict) or set(msg) != {"v", "view", "dtype", "ids"}:
+        raise WireError("pull request must be a map with exactly v, view, dtype, ids")
+    if type(msg["v"]) is not int or msg["v"] != VERSION:
+        raise WireError(f"unsupported version {str(msg['v'])[:10]!r}")
+    view, dtype = _check_view(msg["view"]), _check_dtype(msg["dtype"])
+    if not isinstance(msg["ids"], dict):
+        raise WireError("ids must be a map table -> bin")
+    out, total = {}, 0
+    for t, b in msg["ids"].items():
+        spec = _spec(tables, t)
+        if not isinstance(b, bytes) or len(b) % 4:
+            raise WireError(f"ids of {t!r} must be bin of uint32 (length a multiple of 4)")
+        total += len(b) // 4
+        if total > max_ids:
+            raise WireError(f"more than max_ids={max_ids} ids")
+        out[t] = _check_ids(np.frombuffer(b, "<u4"), spec.rows, f"pull {t!r}")
+    return PullRequest(view, dtype, out)
+
+
+# ----------------------------------------------------------------------------- rows reply
+
+def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str) -> bytes:
+    """One tensor per table, named by the table, cast to dtype (finite after the cast)."""
+    _check_dtype(dtype)
+    out = {}
+    for name, rows in tables_in_order:
+        if name in out:
+            raise WireError(f"table {name!r} twice")
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+            raise WireError(f"rows of {name!r} must be a 2-D tensor")
+        out[name] = _cast(rows, dtype, f"rows of {name!r}")
+    return _save(out, {"v": str(VERSION)})
+
+
+@_guard
+def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """The reply to `req`: exactly its tables, each [len(ids), dim] in req.dtype, finite; returns fp32."""
+    blob = _Blob(data)
+    _meta(blob.meta, {"v"})
+    blob.names(set(req.ids))
+    out = {}
+    for t, ids in req.ids.items():
+        if t not in dim_of:
+            raise WireError(f"no dim known for table {t!r}")
+        out[t] = blob.get(t, (_ST_NAME[req.dtype],), (len(ids), int(dim_of[t])))
+        _finite(out[t], f"rows of {t!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- push
+
+def encode_push(req: PushRequest, dtype: str = "fp32") -> bytes:
+    _check_view(req.view)
+    _check_key(req.key)
+    _check_dtype(dtype)
+    if set(req.ids) != set(req.grads):
+        raise WireError("push ids and grads must name the same tables")
+    out = {}
+    for t, ids in req.ids.items():
+        ids = _ids_in(ids, 1 << 31, f"push {t!r}")
+        g = req.grads[t]
+        if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != ids.size:
+            raise WireError(f"grads of {t!r} must be [len(ids), dim]")
+        out[f"{t}.ids"] = torch.from_numpy(ids.astype(np.int32))
+        out[f"{t}.g"] = _cast(g, dtype, f"grads of {t!r}")
+    return _save(out, {"v": str(VERSION), "view": req.view, "key": req.key})
+
+
+@_guard
+def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> PushRequest:
+    """Known tables, both "<t>.ids" and "<t>.g" per table, ids strictly increasing < rows, at most
+    max_ids in total, grads [len(ids), dim] F32/F16/BF16 and finite; returns fp32 grads."""
+    tables = _tables(tables)
+    blob = _Blob(data)
+    _meta(blob.meta, {"v", "view", "key"})
+    view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
+    names = {}
+    for n in blob.entries:
+        t, _, part = n.rpartition(".")
+        if part not in ("ids", "g"):
+            raise WireError(f"unexpected tensor {n[:60]!r}")
+        _spec(tables, t)
+        names.setdefault(t, set()).add(part)
+    ids, grads, total = {}, {}, 0
+    for t, parts in names.items():
+        if parts != {"ids", "g"}:
+            raise WireError(f"table {t!r} needs both {t}.ids and {t}.g")
+        spec = tables[t]
+        _, shp, _ = blob.entries[f"{t}.ids"]
+        if len(shp) != 1:
+            raise WireError(f"{t}.ids must be 1-D")
+        total += shp[0]
+        if total > max_ids:
+            raise WireError(f"more than max_ids={max_ids} ids")
+        ids[t] = _check_ids(blob.get(f"{t}.ids", ("I32",), shp).numpy(), spec.rows, f"push {t!r}")
+        grads[t] = blob.get(f"{t}.g", _FLOATS, (shp[0], spec.dim))
+        _finite(grads[t], f"grads of {t!r}")
+    return PushRequest(view, key, ids, grads)
+
+
+# ----------------------------------------------------------------------------- replica update / slot hand-off
+
+def _kind_of(names: set[str], fixed: set[str], kind: str | None) -> str:
+    kinds = [kind] if kind is not None else list(_KINDS)
+    for k in kinds:
+        if names == fixed | set(state_keys(k)):
+            return k
+    raise WireError(f"tensors {sorted(names)[:8]} do not match the {' or '.join(kinds)} state")
+
+
+def _check_state(out: dict[str, torch.Tensor], kind: str, what: str) -> None:
+    for k in ("rows", *state_keys(kind)):
+        _finite(out[k], f"{what} {k!r}")
+        if k in ("v", "acc") and out[k].numel() and bool((out[k] < 0).any()):
+            raise WireError(f"{what} {k!r} has negative values")
+    if out["step"].numel() and int(out["step"].min()) < 0:
+        raise WireError(f"{what} 'step' has negative values")
+
+
+def _state_tensors(tensors: dict[str, torch.Tensor], fixed: set[str], n: int | None, dim: int,
+                   what: str) -> tuple[dict[str, torch.Tensor], int]:
+    if not isinstance(tensors, dict):
+        raise WireError(f"{what} must be a dict of tensors")
+    kind = _kind_of(set(tensors), fixed, None)
+    rows = tensors["rows"]
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != dim:
+        raise WireError(f"{what} rows must be [n, {dim}]")
+    n = rows.shape[0] if n is None else n
+    out = {}
+    for k in ("rows", *state_keys(kind)):
+        v = tensors[k]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (n, dim) or v.dtype != torch.float32:
+            raise WireError(f"{what} {k!r} must be float32 [{n}, {dim}]")
+        out[k] = v
+    s = tensors["step"]
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (n,) or s.dtype != torch.int64:
+        raise WireError(f"{what} 'step' must be int64 [{n}]")
+    out["step"] = s
+    _check_state(out, kind, what)
+    return out, n
+
+
+def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: str) -> bytes:
+    """A primary's apply_grads() result, for a replica of `table`."""
+    _check_view(view)
+    _check_key(key)
+    if not isinstance(update, dict) or "ids" not in update or not isinstance(update["ids"], torch.Tensor):
+        raise WireError("replica update needs an 'ids' tensor")
+    ids = _ids_in(update["ids"], 1 << 31, "replica update")
+    rest = {k: v for k, v in update.items() if k != "ids"}
+    if "rows" not in rest:
+        raise WireError("replica update needs 'rows'")
+    dim = rest["rows"].shape[-1] if isinstance(rest["rows"], torch.Tensor) and rest["rows"].dim() == 2 else -1
+    out, _ = _state_tensors(rest, {"rows", "step"}, ids.size, dim, "replica update")
+    out["ids"] = torch.from_numpy(ids.astype(np.int32))
+    return _save(out, {"v": str(VERSION), "table": table, "view": view, "key": key})
+
+
+@_guard
+def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | None = None
+                   ) -> tuple[str, dict[str, torch.Tensor], str, str]:
+    """-> (table, {"ids" int64, "rows", state..., "step" int64}, view, key). `kind` ("adam" /
+    "adagrad") pins the optimizer state expected; None accepts either."""
+    tables = _tables(tables)
+    blob = _Blob(data)
+    _meta(blob.meta, {"v", "table", "view", "key"})
+    spec = _spec(tables, blob.meta["table"])
+    view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
+    k = _kind_of(set(blob.entries), {"ids", "rows", "step"}, kind)
+    _, shp, _ = blob.entries["ids"]
+    if len(shp) != 1:
+        raise WireError("ids must be 1-D")
+    n = shp[0]
+    if n > spec.rows:
+        raise WireError(f"more ids than table {spec.name!r} has rows")
+    out = {"ids": torch.from_numpy(_check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replica update"))}
+    for name in ("rows", *state_keys(k)):
+        out[name] = blob.get(name, ("F32",), (n, spec.dim))
+    out["step"] = blob.get("step", ("I64",), (n,))
+    _check_state(out, k, "replica update")
+    return spec.name, out, view, key
+
+
+def encode_slot(table: str, slot: int, tensors: dict[str, torch.Tensor], view: str) -> bytes:
+    """One held slot (TableShard.export_slot()) for hand-off to a new owner."""
+    _check_view(view)
+    if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= int(slot) < 1 << 31:
+        raise WireError(f"slot must be a non-negative int, got {slot!r}")
+    rows = tensors.get("rows") if isinstance(tensors, dict) else None
+    dim = rows.shape[-1] if isinstance(rows, torch.Tensor) and rows.dim() == 2 else -1
+    out, _ = _state_tensors(tensors, {"rows", "step"}, None, dim, "slot")
+    return _save(out, {"v": str(VERSION), "table": table, "slot": str(int(slot)), "view": view})
+
+
+@_guard
+def decode_slot(data: bytes, tables: Mapping[str, TableSpec],
+                slot_rows: Callable[[str, int], tuple[int, int]] | OwnershipMap, kind: str | None = None
+                ) -> tuple[str, int, dict[str, torch.Tensor], str]:
+    """-> (table, slot, {"rows", state..., "step"}, view); shapes follow slot_rows(table, slot)."""
+    tables = _tables(tables)
+    if isinstance(slot_rows, OwnershipMap):
+        slot_rows = slot_rows.slot_rows
+    blob = _Blob(data)
+    _meta(blob.meta, {"v", "table", "slot", "view"})
+    spec = _spec(tables, blob.meta["table"])
+    view = _check_view(blob.meta["view"])
+    if not _INT_RE.fullmatch(blob.meta["slot"]):
+        raise WireError(f"slot must be a decimal integer, got {blob.meta['slot'][:20]!r}")
+    slot = int(blob.meta["slot"])
+    try:
+        lo, hi = slot_rows(spec.name, slot)
+    except Exception as e:
+        raise WireError(f"slot {slot} of {spec.name!r} does not exist: {e}") from None
+    k = _kind_of(set(blob.entries), {"rows", "step"}, kind)
+    n = hi - lo
+    out = {name: blob.get(name, ("F32",), (n, spec.dim)) for name in ("rows", *state_keys(k))}
+    out["step"] = blob.get("step", ("I64",), (n,))
+    _check_state(out, k, "slot")
+    return spec.name, slot, out, view

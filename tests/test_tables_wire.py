@@ -1,0 +1,280 @@
+"""Table wire formats: round trips, validation, and hostile bytes (only WireError comes out)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swarm.tables.ownership import OwnershipMap, TableSpec
+from swarm.tables.shard import RowOptConfig, TableShard
+from swarm.tables.wire import (PullRequest, PushRequest, WireError, decode_pull, decode_push, decode_replica,
+                               decode_rows, decode_slot, encode_pull, encode_push, encode_replica, encode_rows,
+                               encode_slot)
+
+torch.set_num_threads(1)
+TABLES = {"ngram": TableSpec("ngram", 1000, 8), "value": TableSpec("value", 500, 8)}
+DIMS = {t: s.dim for t, s in TABLES.items()}
+OM = OwnershipMap(TABLES.values(), ["a", "b", "c"], slots=64)
+VIEW = OM.view
+IDS = {"ngram": np.array([0, 3, 17, 999]), "value": np.array([1, 499])}
+
+
+def rows_for(ids: dict) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(t, torch.randn(len(i), 8, generator=g)) for t, i in ids.items()]
+
+
+def shard_with_update(kind: str = "adam"):
+    sh = TableShard(TABLES["ngram"], OM, RowOptConfig(kind=kind))
+    for s in range(64):
+        sh.create_slot(s)
+    upd = sh.apply_grads(IDS["ngram"], torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+    return sh, upd
+
+
+# ----------------------------------------------------------------------------- round trips
+
+def test_pull_round_trip():
+    req = PullRequest(VIEW, "bf16", {t: v.astype(np.uint32) for t, v in IDS.items()})
+    data = encode_pull(req)
+    assert len(data) == 58 + 4 * 6  # 58 bytes of framing for two tables, 4 bytes per id
+    out = decode_pull(data, TABLES, max_ids=6)
+    assert out.view == VIEW and out.dtype == "bf16"
+    assert {t: v.tolist() for t, v in out.ids.items()} == {t: v.tolist() for t, v in IDS.items()}
+    assert out.ids["ngram"].dtype == np.int64
+    # the format is plain msgpack with uint32 LE bins
+    raw = msgpack.unpackb(data)
+    assert raw["v"] == 1 and raw["ids"]["value"] == struct.pack("<2I", 1, 499)
+    with pytest.raises(WireError, match="max_ids"):
+        decode_pull(data, TABLES, max_ids=5)
+    assert decode_pull(encode_pull(PullRequest(VIEW, "fp32", {})), TABLES, 1).ids == {}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_rows_round_trip(dtype):
+    req = PullRequest(VIEW, dtype, {**IDS, "value": np.zeros(0, dtype=np.int64)})
+    rows = rows_for(req.ids)
+    out = decode_rows(encode_rows(rows, dtype), req, DIMS)
+    for t, r in rows:
+        assert out[t].dtype == torch.float32 and out[t].shape == r.shape
+        want = r.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]).float()
+        assert torch.equal(out[t], want)
+    with pytest.raises(WireError):
+        decode_rows(encode_rows(rows, "fp32" if dtype != "fp32" else "fp16"), req, DIMS)
+    with pytest.raises(WireError):
+        decode_rows(encode_rows(rows[:1], dtype), req, DIMS)
+    with pytest.raises(WireError):  # not representable in fp16
+        encode_rows([("ngram", torch.full((1, 8), 1e6))], "fp16") if dtype == "fp16" else decode_rows(b"", req, DIMS)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_push_round_trip(dtype):
+    g = dict(rows_for(IDS))
+    data = encode_push(PushRequest(VIEW, "peer-a:42", IDS, g), dtype)
+    out = decode_push(data, TABLES, max_ids=6)
+    assert out.view == VIEW and out.key == "peer-a:42"
+    assert set(out.ids) == set(IDS) and all(np.array_equal(out.ids[t], IDS[t]) for t in IDS)
+    tol = 0 if dtype == "fp32" else 1e-2
+    for t in IDS:
+        assert out.grads[t].dtype == torch.float32
+        assert torch.allclose(out.grads[t], g[t], atol=tol, rtol=tol)
+    with pytest.raises(WireError):
+        decode_push(data, TABLES, max_ids=5)
+    with pytest.raises(WireError):
+        decode_push(data, {"ngram": TABLES["ngram"]}, max_ids=6)
+    for bad in (PushRequest(VIEW, "no-step", IDS, g), PushRequest("xyz", "a:1", IDS, g),
+                PushRequest(VIEW, "a:1", {"ngram": np.array([3, 1])}, {"ngram": torch.zeros(2, 8)}),
+                PushRequest(VIEW, "a:1", IDS, {**g, "value": torch.full((2, 8), float("nan"))})):
+        with pytest.raises(WireError):
+            encode_push(bad)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adagrad"])
+def test_replica_round_trip_applies(kind):
+    sh, upd = shard_with_update(kind)
+    data = encode_replica("ngram", upd, VIEW, "a:7")
+    table, out, view, key = decode_replica(data, TABLES, kind=kind)
+    assert (table, view, key) == ("ngram", VIEW, "a:7")
+    assert set(out) == set(upd) and all(torch.equal(out[k], upd[k]) for k in upd)
+    rep = TableShard(TABLES["ngram"], OM, RowOptConfig(kind=kind))
+    for s in range(64):
+        rep.create_slot(s)
+    rep.apply_replica_update(out)
+    assert all(rep.checksum(s) == sh.checksum(s) for s in range(64))
+    other = "adagrad" if kind == "adam" else "adam"
+    with pytest.raises(WireError):
+        decode_replica(data, TABLES, kind=other)
+
+
+def test_slot_round_trip():
+    sh, _ = shard_with_update()
+    data = encode_slot("ngram", 0, sh.export_slot(0), VIEW)
+    table, slot, t, view = decode_slot(data, TABLES, OM)
+    assert (table, slot, view) == ("ngram", 0, VIEW)
+    b = TableShard(TABLES["ngram"], OM)
+    b.import_slot(0, t)
+    assert b.checksum(0) == sh.checksum(0)
+    # wrong slot geometry: a different map where slot 0 is larger
+    small = OwnershipMap(TABLES.values(), ["a"], slots=32)
+    with pytest.raises(WireError):
+        decode_slot(data, TABLES, small)
+    with pytest.raises(WireError):
+        decode_slot(encode_slot("ngram", 64, sh.export_slot(0), VIEW), TABLES, OM)
+
+
+def test_pull_validation():
+    def msg(**kw):
+        base = {"v": 1, "view": VIEW, "dtype": "fp32", "ids": {"ngram": struct.pack("<2I", 1, 2)}}
+        base.update(kw)
+        return msgpack.packb(base, use_bin_type=True)
+
+    assert decode_pull(msg(), TABLES, 10).ids["ngram"].tolist() == [1, 2]
+    bad = [
+        msg(v=2), msg(v=True), msg(view="ABCDEF0123456789"), msg(view=VIEW[:-1]), msg(dtype="int8"),
+        msg(ids={"nope": b""}), msg(ids={"ngram": struct.pack("<2I", 2, 1)}),
+        msg(ids={"ngram": struct.pack("<2I", 1, 1)}), msg(ids={"ngram": struct.pack("<I", 1000)}),
+        msg(ids={"ngram": b"\x00\x00\x00"}), msg(ids={"ngram": [1, 2]}), msg(ids=[]), msg(extra=1),
+        msgpack.packb([1, 2]), b"", b"\xc1", msg() + b"\x00",
+    ]
+    for b in bad:
+        with pytest.raises(WireError):
+            decode_pull(b, TABLES, 10)
+    with pytest.raises(WireError):
+        decode_pull("not bytes", TABLES, 10)
+
+
+def _st(header: dict, body: bytes = b"") -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + body
+
+
+def test_safetensors_container_validation():
+    meta = {"v": "1", "table": "ngram", "slot": "0", "view": VIEW}
+    n = OM.slot_rows("ngram", 0)[1]
+    ok_hdr = {"__metadata__": meta,
+              "rows": {"dtype": "F32", "shape": [n, 8], "data_offsets": [0, n * 32]},
+              "acc": {"dtype": "F32", "shape": [n, 8], "data_offsets": [n * 32, n * 64]},
+              "step": {"dtype": "I64", "shape": [n], "data_offsets": [n * 64, n * 72]}}
+    body = bytes(n * 72)
+    assert decode_slot(_st(ok_hdr, body), TABLES, OM)[1] == 0
+    cases = [
+        _st(ok_hdr, body + b"x"), _st(ok_hdr, body[:-1]),
+        _st({**ok_hdr, "acc": {**ok_hdr["acc"], "data_offsets": [0, n * 32]}}, body),
+        _st({**ok_hdr, "acc": {**ok_hdr["acc"], "dtype": "F64"}}, body),
+        _st({**ok_hdr, "acc": {**ok_hdr["acc"], "shape": [n, 4, 2]}}, body),
+        _st({**ok_hdr, "step": {**ok_hdr["step"], "dtype": "I32", "data_offsets": [n * 64, n * 68]}}, body[:n * 68]),
+        _st({**ok_hdr, "__metadata__": {**meta, "slot": "01"}}, body),
+        _st({**ok_hdr, "__metadata__": {**meta, "slot": "99"}}, body),
+        _st({**ok_hdr, "__metadata__": {**meta, "x": "1"}}, body),
+        _st({**ok_hdr, "__metadata__": {**meta, "table": "value"}}, body),
+        _st({**ok_hdr, "__metadata__": {**meta, "v": "2"}}, body),
+        _st({**ok_hdr, "rows": {**ok_hdr["rows"], "extra": 1}}, body),
+        _st({**ok_hdr, "rows": {**ok_hdr["rows"], "shape": [n, 8.0]}}, body),
+        _st({**ok_hdr, "m": ok_hdr["rows"]}, body),
+        struct.pack("<Q", 1 << 40) + b"{}", struct.pack("<Q", 10) + b"{}", b"\x02\0\0\0\0\0\0\0[]",
+        b'\x0e\0\0\0\0\0\0\0{"a":1, "a":2}',
+    ]
+    nan_body = bytearray(body)
+    nan_body[0:4] = struct.pack("<f", float("nan"))
+    cases.append(_st(ok_hdr, bytes(nan_body)))
+    neg_body = bytearray(body)
+    neg_body[n * 32:n * 32 + 4] = struct.pack("<f", -1.0)
+    cases.append(_st(ok_hdr, bytes(neg_body)))
+    for c in cases:
+        with pytest.raises(WireError):
+            decode_slot(c, TABLES, OM)
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+def _valid_blobs() -> dict[str, bytes]:
+    sh, upd = shard_with_update()
+    req = PullRequest(VIEW, "fp16", IDS)
+    return {
+        "pull": encode_pull(req),
+        "rows": encode_rows(rows_for(IDS), "fp16"),
+        "push": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "bf16"),
+        "replica": encode_replica("ngram", upd, VIEW, "a:1"),
+        "slot": encode_slot("ngram", 3, sh.export_slot(3), VIEW),
+    }
+
+
+VALID = _valid_blobs()
+REQ = PullRequest(VIEW, "fp16", IDS)
+DECODERS = {
+    "pull": lambda b: decode_pull(b, TABLES, 64),
+    "rows": lambda b: decode_rows(b, REQ, DIMS),
+    "push": lambda b: decode_push(b, TABLES, 64),
+    "replica": lambda b: decode_replica(b, TABLES),
+    "slot": lambda b: decode_slot(b, TABLES, OM),
+}
+
+
+def _only_wire_error(name: str, data: bytes) -> None:
+    try:
+        DECODERS[name](data)
+    except WireError:
+        pass
+
+
+def test_valid_blobs_decode():
+    for name, b in VALID.items():
+        DECODERS[name](b)
+
+
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(DECODERS)), data=st.binary(max_size=300))
+def test_fuzz_random_bytes(name, data):
+    _only_wire_error(name, data)
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(DECODERS)), src=st.sampled_from(sorted(VALID)),
+       edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.integers(0, 1 << 20), mode=st.sampled_from(["flip", "cut", "both", "insert"]))
+def test_fuzz_mutated_bytes(name, src, edits, cut, mode):
+    b = bytearray(VALID[src])
+    if mode in ("flip", "both"):
+        for pos, val in edits:
+            b[pos % len(b)] = val
+    if mode in ("cut", "both"):
+        b = b[:cut % (len(b) + 1)]
+    if mode == "insert":
+        pos, val = edits[0]
+        b[pos % (len(b) + 1):pos % (len(b) + 1)] = bytes([val]) * (1 + edits[-1][1] % 9)
+    _only_wire_error(name, bytes(b))
+
+
+@FUZZ
+@given(hdr=st.recursive(st.none() | st.booleans() | st.integers(-2, 1 << 41) | st.floats() | st.text(max_size=8),
+                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                        max_leaves=20),
+       name=st.sampled_from(["rows", "push", "replica", "slot"]), body=st.binary(max_size=64))
+def test_fuzz_structured_headers(hdr, name, body):
+    try:
+        h = json.dumps(hdr).encode()
+    except ValueError:
+        return
+    _only_wire_error(name, struct.pack("<Q", len(h)) + h + body)
+
+
+@FUZZ
+@given(obj=st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.binary(max_size=16)
+                        | st.text(max_size=20),
+                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8) | st.binary(max_size=4), c, max_size=4),
+                        max_leaves=20))
+def test_fuzz_msgpack_pull(obj):
+    _only_wire_error("pull", msgpack.packb(obj, use_bin_type=True))
+    if isinstance(obj, dict):
+        base = {"v": 1, "view": VIEW, "dtype": "fp32", "ids": obj}
+        _only_wire_error("pull", msgpack.packb(base, use_bin_type=True))
