@@ -40,8 +40,14 @@ class PeerConfig:
     ratio: float = 0.01
     warmup_steps: int = 20
     clip_norm: float = 0.0  # 0 = no clipping
-    # model size
+    # model size and the sharded tables
     table_rows: int = 65536
+    replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
+    table_lr: float = 1e-2  # row-wise Adam on the table rows
+    row_dtype: str = "fp16"  # rows on the wire (pull replies)
+    push_dtype: str = "bf16"  # row gradients on the wire
+    prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
+    linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # rounds
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
     max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
@@ -69,6 +75,13 @@ class PeerConfig:
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")
         need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
+        need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
+        need(0 < self.table_lr < 1, f"--table-lr must be in (0, 1), got {self.table_lr}")
+        need(self.row_dtype in ("fp32", "fp16", "bf16"), f"--row-dtype must be fp32, fp16 or bf16, got {self.row_dtype!r}")
+        need(self.push_dtype in ("fp32", "fp16", "bf16"),
+             f"--push-dtype must be fp32, fp16 or bf16, got {self.push_dtype!r}")
+        need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
+        need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from aiohttp import web
 
@@ -27,6 +28,10 @@ from .config import PeerConfig, parse_hostport
 from .data import load_corpus
 from .membership import (Member, Membership, MembershipConfig, MembershipError, SendLeave, SendPing, SendPingReq,
                          SendSync)
+from .status.timeline import Timeline
+from .tables import RowOptConfig
+from .tables.http import TableClient
+from .tables.service import TableService
 from .trainer import Trainer
 from .transport import ByteCounts, PeerUnreachable, Transport
 from .wire import PROTOCOL_VERSION
@@ -65,7 +70,14 @@ class Peer:
         self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
         self.rejected: collections.Counter[str] = collections.Counter()
         self.events: collections.deque[dict] = collections.deque(maxlen=200)
+        self.timeline = Timeline()  # the status page's bounded series and per-peer link stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-train-{self.id[:6]}")
+        # the table shard is touched by one thread only, separate from training so that serving
+        # other peers' pulls never waits for our forward/backward
+        self._table_pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-tables-{self.id[:6]}")
+        self.tables: TableService | None = None
+        self.table_client: TableClient | None = None
+        self._pushes: collections.deque[asyncio.Task] = collections.deque()
         self._arrival = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -88,6 +100,10 @@ class Peer:
         """Run blocking compute on this peer's training thread, one call at a time."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
+    async def table_work(self, fn: Callable, *args: Any) -> Any:
+        """Run a TableService call on this peer's table thread, one at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._table_pool, functools.partial(fn, *args))
+
     # -- start-up ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Build the replica, start serving, and join the swarm if --join was given."""
@@ -99,6 +115,8 @@ class Peer:
                                 clip_norm=self.cfg.clip_norm or None)
         codec_cfg.validate()
         self.compressor = Compressor(self.trainer.manifest, codec_cfg, sender=self.id)
+        self.tables = TableService(self.id, self.trainer.table_specs, replicas=self.cfg.replicas,
+                                   opt=RowOptConfig(kind="adam", lr=self.cfg.table_lr))
 
         from .server import build_app  # the routes are a thin shell over this object
 
@@ -115,10 +133,13 @@ class Peer:
         self.addr = f"http://{_bracket(adv_host)}:{adv_port or port}"
         self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
                                   meta={"step": 0, "active": 0, "active_from": 0})
+        self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self._addr_of,
+                                        self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
                  f"(model {self.trainer.manifest.numel / 1e6:.2f}M params, corpus {corpus.name} {corpus.hash[:12]})")
         if self.cfg.join:
             await self._join()
+        await self._update_map()
         self._spawn(self._membership_loop())
 
     async def _join(self) -> None:
@@ -158,24 +179,48 @@ class Peer:
     # -- membership shell ----------------------------------------------------------------------
     async def _membership_loop(self) -> None:
         alive_before = set(self.members.alive_ids())
+        live_before = set(self.members.live_ids())
+        last_release = time.monotonic()
         while not self._stop.is_set():
             for action in self.members.tick(time.monotonic()):
                 self._spawn(self._carry_out(action))
-            alive = set(self.members.alive_ids())
+            alive, live = set(self.members.alive_ids()), set(self.members.live_ids())
             if alive != alive_before:
                 self._arrival.set()  # a round may now be complete (a peer died or left)
                 for gone in alive_before - alive:
                     self._outboxes.pop(gone, None)
                 alive_before = alive
+            if live != live_before:
+                live_before = live
+                await self._update_map()
+            if time.monotonic() - last_release > 1.0:
+                last_release = time.monotonic()
+                await self.table_work(self.tables.release, time.monotonic())
             await asyncio.sleep(0.1)
+
+    async def _update_map(self) -> None:
+        """Re-cut the tables over the live members and fetch the slots we newly own."""
+        fetch = await self.table_work(self.tables.set_members, self.members.live_ids(), time.monotonic())
+        if fetch:
+            self._event("handoff", f"fetching {len(fetch)} slots (view {self.tables.view})")
+            self._spawn(self.table_client.fetch(fetch))
+
+    def _addr_of(self, peer_id: str) -> str | None:
+        m = self.members.get(peer_id)
+        return m.addr if m is not None and m.state in ("alive", "suspect") else None
+
+    def _suspects(self) -> set[str]:
+        return {m.peer_id for m in self.members.members() if m.state == "suspect"}
 
     async def _carry_out(self, action: Any) -> None:
         """Do one membership action over HTTP and feed the outcome back to the core."""
         now = time.monotonic
         if isinstance(action, SendPing):
+            t0 = now()
             try:
                 reply = await self.transport.call(action.addr, "/v1/ping", action.msg, timeout=action.timeout)
                 self.members.handle_ack(action.probe_id, reply, now())
+                self.timeline.record_rtt(action.target, now() - t0)
             except (PeerUnreachable, MembershipError) as e:
                 if isinstance(e, MembershipError):
                     self.rejected["membership"] += 1
@@ -234,6 +279,7 @@ class Peer:
 
     def offer(self, decoded: Any) -> str:
         """File a validated payload from the network (called by the /v1/grads route)."""
+        self.timeline.payload_from(decoded.sender)
         verdict = self.book.offer(decoded)
         if verdict in (gossip.ACCEPTED, gossip.LATE):
             self._arrival.set()
@@ -276,6 +322,7 @@ class Peer:
                                                  content_type="application/octet-stream",
                                                  headers={HEADER: enc.mode}, kind="grads", reply_kind="control")
                     self.dense_bytes += enc.dense_bytes
+                    self.timeline.sent_to(pid, len(enc.blob))
                     break
                 except PeerUnreachable as e:
                     # It has not heard of us yet (membership still spreading), or it is unreachable for
@@ -295,8 +342,10 @@ class Peer:
             if not self._stop.is_set():
                 await self._train()
             if self.trainer.step > 0 or self.cfg.steps:
-                self.progress.val_loss = await self.work(self.trainer.evaluate)
+                self.progress.val_loss = await self.evaluate()
             sketch = self.last_sketch = await self.work(self.trainer.sketch)
+            if self.cfg.steps and not self._stop.is_set():
+                await self._linger()
         finally:
             await self.leave()
         return self.summary(sketch)
@@ -370,15 +419,44 @@ class Peer:
             raise JoinError("no live, contributing peer to sync state from")
         return best
 
+    async def _fetch_batch(self) -> tuple[torch.Tensor, dict, dict, dict]:
+        """The next batch and its table rows, pulled from their owners."""
+        batch, want = await self.work(self.trainer.sample)
+        rows, missing = await self.table_client.pull(want)
+        return batch, want, rows, missing
+
+    def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
+        """Send row gradients to their primaries in the background (at most 2 pushes in flight)."""
+        grads = {}
+        for name, (ids, g) in row_grads.items():
+            if name in missing and len(missing[name]):
+                keep = ~np.isin(ids, missing[name], assume_unique=True)  # rows we never had: no update
+                ids, g = ids[keep], g[torch.from_numpy(keep)]
+            grads[name] = (ids, g)
+        self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=f"{self.id}:{step}")))
+
+    async def _drain_pushes(self, keep: int) -> None:
+        while len(self._pushes) > keep:
+            await asyncio.gather(self._pushes.popleft(), return_exceptions=True)
+
     async def _train(self) -> None:
         self.progress.started_at = time.monotonic()
         last_print = time.monotonic()
+        prefetched: asyncio.Future | None = None
         while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
             step = self.book.step
-            stats, flat = await self.work(self.trainer.compute)
+            batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch())
+            prefetched = None
+            stats, flat, row_grads = await self.work(self.trainer.compute, batch, want, rows)
+            await self._drain_pushes(keep=1)
+            self._push_rows(row_grads, missing, step)
             enc: Encoded = await self.work(self.compressor.compress, flat, step)
             self.book.offer(enc.decoded)
             self._broadcast(enc)
+            if self.cfg.prefetch and (self.cfg.steps == 0 or step + 1 < self.cfg.steps):
+                # the next step's rows travel while this step's round completes; they may miss
+                # this step's own row update (one step stale), which is the price of the overlap
+                prefetched = asyncio.ensure_future(self._fetch_batch())
             self.progress.losses.append(stats.loss)
             self.progress.tokens += stats.tokens
             self.progress.contributed += 1
@@ -391,6 +469,7 @@ class Peer:
                 self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
             await self.work(self.trainer.apply, result)
             self.members.set_meta(step=self.book.step)
+            self.timeline.record_step(self, step, stats.loss)  # also shares loss and tok/s as meta
             if self.book.step % 10 == 0:
                 self.last_sketch = await self.work(self.trainer.sketch)
             self.last_stats = {"k": enc.k, "mode": enc.mode, "contributors": len(result.on_time),
@@ -398,6 +477,29 @@ class Peer:
             if time.monotonic() - last_print >= self.cfg.progress_interval:
                 last_print = time.monotonic()
                 self.out(self.progress_line())
+        if prefetched is not None:
+            prefetched.cancel()
+            await asyncio.gather(prefetched, return_exceptions=True)
+        await self._drain_pushes(keep=0)
+
+    async def evaluate(self) -> float:
+        """Mean loss over the fixed held-out batches, with their rows pulled from the owners."""
+        losses = []
+        for batch in self.trainer.val:
+            want = await self.work(self.trainer.rows_of, batch)
+            rows, _ = await self.table_client.pull(want)
+            losses.append(await self.work(self.trainer.eval_loss, batch, want, rows))
+        return sum(losses) / len(losses)
+
+    async def _linger(self) -> None:
+        """After --steps: keep serving rows until every live peer has evaluated too (bounded)."""
+        self.members.set_meta(done=1)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.cfg.linger and not self._stop.is_set():
+            others = [self.members.get(p) for p in self.members.live_ids(include_self=False)]
+            if all(m is None or m.meta.get("done") or not m.meta.get("active") for m in others):
+                return
+            await asyncio.sleep(0.1)
 
     def progress_line(self) -> str:
         p = self.progress
@@ -438,6 +540,7 @@ class Peer:
             self._runner = None
         await self.transport.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._table_pool.shutdown(wait=True, cancel_futures=True)
 
     # -- reporting -----------------------------------------------------------------------------
     def _spawn(self, coro) -> None:
@@ -471,18 +574,18 @@ class Peer:
             "late_payloads": self.book.stats.late,
             "tokens": p.tokens,
             "seconds": round(time.monotonic() - p.started_at, 2) if p.started_at else 0.0,
+            "row_bytes_sent": self.counts.sent.get("rows", 0) + self.counts.sent.get("replica", 0),
+            "row_bytes_received": self.counts.received.get("rows", 0) + self.counts.received.get("replica", 0),
+            "rows": self.table_client.status() if self.table_client else None,
+            "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
             "param_sketch": sketch,
         }
 
     def status(self) -> dict:
         """The /api/status document (see docs/protocol.md)."""
         p = self.progress
-        members = []
-        if self.members is not None:
-            for m in self.members.members():
-                members.append({"peer_id": m.peer_id, "addr": m.addr, "state": m.state,
-                                "incarnation": m.incarnation, "step": int(m.meta.get("step", 0)),
-                                "active": bool(m.meta.get("active"))})
+        self.timeline.poll(self)
+        members = self.timeline.members(self)  # peer_id, addr, state, ... plus the page's per-peer columns
         recent = p.losses[-10:]
         elapsed = time.monotonic() - p.started_at if p.started_at else 0.0
         return {
@@ -503,6 +606,15 @@ class Peer:
             "dropped_sends": self.dropped_sends,
             "events": list(self.events)[-50:],
             "param_sketch": self.last_sketch,
+            "tables": self.tables.status() if self.tables is not None else None,
+            "rows": self.table_client.status() if self.table_client is not None else None,
+            "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
+            # for the status page (docs/protocol.md, "GET /api/status")
+            "now": time.time(),
+            "compression": self.cfg.compression,
+            "swarm": self.timeline.swarm(self),
+            "series": self.timeline.series(),
+            "log": self.timeline.log(self),
         }
 
 

@@ -16,6 +16,8 @@ from aiohttp import web
 from . import gossip
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .membership import MembershipError
+from .tables.http import add_routes as add_table_routes
+from .status import routes as status_page
 from .wire import PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body, unpack_map
 
 if TYPE_CHECKING:
@@ -142,19 +144,6 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[PEER].status())
 
 
-async def index(request: web.Request) -> web.Response:
-    peer = request.app[PEER]
-    return web.Response(text=_INDEX.replace("{peer}", peer.id), content_type="text/html")
-
-
-_INDEX = """<!doctype html><html><head><meta charset="utf-8"><title>swarm peer {peer}</title></head>
-<body><h1>swarm peer {peer}</h1><p>Live status as JSON: <a href="/api/status">/api/status</a></p>
-<pre id="s"></pre><script>
-async function r(){try{const j=await (await fetch('/api/status')).json();
-document.getElementById('s').textContent=JSON.stringify(j,null,1)}catch(e){}}
-r();setInterval(r,2000);</script></body></html>"""
-
-
 def build_app(peer: "Peer") -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=CONTROL_LIMIT)
     app[PEER] = peer
@@ -165,6 +154,7 @@ def build_app(peer: "Peer") -> web.Application:
     app.router.add_post("/v1/leave", leave)
     app.router.add_post("/v1/grads", grads)
     app.router.add_get("/v1/state", state)
+    add_table_routes(app, _peer)
     app.router.add_get("/api/status", status)
-    app.router.add_get("/", index)
+    status_page.setup(app, peer)  # "/", /static/*, /api/events (SSE) and /metrics: see docs/status.md
     return app

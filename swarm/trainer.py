@@ -12,6 +12,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -20,7 +21,8 @@ from .codec import Manifest
 from .config import PeerConfig
 from .data import BatchSampler, Corpus, val_batches
 from .gossip import RoundResult, aggregate_into
-from .model import ModelConfig, SwarmLM, param_sketch
+from .model import TABLES, ModelConfig, SwarmLM, param_sketch
+from .tables import TableSpec
 
 STATE_FORMAT = "swarm-state-1"
 
@@ -40,15 +42,20 @@ class Trainer:
     def __init__(self, cfg: PeerConfig, corpus: Corpus):
         self.cfg = cfg
         self.corpus = corpus
-        self.model_cfg = ModelConfig(ngram_rows=cfg.table_rows, value_rows=cfg.table_rows, seed=cfg.seed)
+        # The hashed tables are not part of the replica: they are sharded across the swarm
+        # (swarm/tables), and every step brings the rows it needs (see compute()).
+        self.model_cfg = ModelConfig(ngram_rows=cfg.table_rows, value_rows=cfg.table_rows, seed=cfg.seed,
+                                     local_tables=False)
         self.model = SwarmLM(self.model_cfg)
+        self.table_specs = [TableSpec(name, cfg.table_rows, self.model_cfg.d_model) for name in TABLES]
         self.manifest = Manifest.from_module(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = [e.name for e in self.manifest.entries]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
         self.step = 0  # rounds applied to this replica
         self.sampler: BatchSampler | None = None
-        self._val = val_batches(corpus, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches)
+        self.val = val_batches(corpus, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches,
+                               prefix=self.model_cfg.prefix)
         self._agg = torch.zeros(self.manifest.numel, dtype=torch.float32)
 
     # -- data -------------------------------------------------------------------------------
@@ -58,20 +65,35 @@ class Trainer:
                                     shard=(index, count))
 
     # -- one step ---------------------------------------------------------------------------
-    def compute(self) -> tuple[StepStats, torch.Tensor]:
-        """Forward and backward on the next batch; returns the loss and the flat fp32 gradient."""
+    def sample(self) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """The next batch of this peer's shard and the sorted-unique table rows it touches."""
         assert self.sampler is not None, "set_shard first"
         batch = self.sampler.next()
+        return batch, self.rows_of(batch)
+
+    def rows_of(self, batch: torch.Tensor) -> dict[str, np.ndarray]:
+        return {name: ids.numpy() for name, ids in self.model.unique_table_ids(batch).items()}
+
+    def compute(self, batch: torch.Tensor, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
+                ) -> tuple[StepStats, torch.Tensor, dict[str, tuple[np.ndarray, torch.Tensor]]]:
+        """Forward and backward on ``batch`` with the pulled table ``rows`` (fp32, in ``want`` order).
+
+        Returns the loss, the flat fp32 gradient of the dense parameters, and the gradient of every
+        pulled row: {table: (ids, grads [len(ids), d])}."""
         self.model.train()
         for p in self.params:
             p.grad = None
-        loss = self.model.loss(batch)
+        leaves = {name: rows[name].detach().clone().requires_grad_(True) for name in want}
+        table_rows = {name: (torch.from_numpy(want[name]), leaves[name]) for name in want}
+        loss = self.model.loss(batch, table_rows)
         loss.backward()
         flat = self.manifest.flatten_grads(self.model)
         for p in self.params:
             p.grad = None
+        row_grads = {name: (want[name], leaves[name].grad if leaves[name].grad is not None
+                            else torch.zeros_like(leaves[name])) for name in want}
         tokens = batch.shape[0] * self.model_cfg.context
-        return StepStats(loss=float(loss.detach()), tokens=tokens, grad_norm=float(flat.norm())), flat
+        return StepStats(loss=float(loss.detach()), tokens=tokens, grad_norm=float(flat.norm())), flat, row_grads
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over 20 steps, then cosine to 10% at cfg.steps (constant when unbounded)."""
@@ -102,11 +124,11 @@ class Trainer:
 
     # -- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the fixed held-out batches (identical on every peer)."""
+    def eval_loss(self, batch: torch.Tensor, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> float:
+        """Loss on one held-out batch (the node pulls its rows; the batches are identical on every peer)."""
         self.model.eval()
-        losses = [float(self.model.loss(b)) for b in self._val]
-        return sum(losses) / len(losses)
+        table_rows = {name: (torch.from_numpy(want[name]), rows[name]) for name in want}
+        return float(self.model.loss(batch, table_rows))
 
     @torch.no_grad()
     def sketch(self) -> list[float]:

@@ -165,9 +165,10 @@ class TableShard:
             self._held[s] = (lo, hi, base)
             base += n
         self._rows, self._state, self._step, self._cap, self._used = rows, state, step, cap, base
-        self._index()
+        self._dirty = True
 
     def _index(self) -> None:
+        self._dirty = False
         order = sorted(self._held.items(), key=lambda kv: kv[1][0])
         self._h_slot = np.array([s for s, _ in order], dtype=np.int64)
         self._h_lo = np.array([v[0] for _, v in order], dtype=np.int64)
@@ -186,7 +187,14 @@ class TableShard:
             self._state[k][base:base + n] = state[k]
         self._step[base:base + n] = step
         self._held[int(slot)] = (lo, hi, base)
-        self._index()
+        self._dirty = True
+
+    def create_slots(self, slots) -> None:
+        """create_slot for many slots at once, with one allocation."""
+        slots = [int(s) for s in slots if not self.has_slot(s)]
+        self.reserve(self.rows_held() + sum(hi - lo for lo, hi in map(self._range, slots)))
+        for s in slots:
+            self.create_slot(s)
 
     def create_slot(self, slot: int) -> None:
         """Hold `slot` with zero rows and zero state (overwrites it if already held)."""
@@ -221,7 +229,7 @@ class TableShard:
         del self._held[int(slot)]
         if not self._held:
             self._used = 0
-        self._index()
+        self._dirty = True
         if self._cap > 256 and self.rows_held() < self._cap // 4:
             self._compact()  # give memory back once most of the pool is holes
 
@@ -262,6 +270,8 @@ class TableShard:
         ids = ids.astype(np.int64, copy=False)
         if not ids.size:
             return torch.zeros(0, dtype=torch.int64)
+        if self._dirty:
+            self._index()
         pos = np.searchsorted(self._h_lo, ids, side="right") - 1
         posc = np.maximum(pos, 0)
         ok = (pos >= 0) & (ids < self._h_hi[posc]) if self._h_lo.size else np.zeros(ids.shape, bool)

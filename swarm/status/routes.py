@@ -1,0 +1,193 @@
+"""The status page's routes: the page and its assets, /api/events (SSE), /metrics (Prometheus).
+
+``/api/status`` itself is served by swarm/server.py from ``Peer.status()``; this module adds the
+rest and is mounted by ``build_app`` through ``setup(app, peer)``. Every asset comes from
+``static/`` next to this file: the page loads nothing from anywhere else and works offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from .timeline import _INCOMING
+
+if TYPE_CHECKING:
+    from ..node import Peer
+
+STATIC = Path(__file__).resolve().parent / "static"
+SSE_INTERVAL = 1.0  # seconds between two /api/events messages
+
+STATUS_PEER = web.AppKey("status_peer", object)
+CLOSING = web.AppKey("status_closing", asyncio.Event)
+REGISTRY = web.AppKey("status_registry", CollectorRegistry)
+
+
+def setup(app: web.Application, peer: "Peer") -> None:
+    """Mount the page, its assets, /api/events and /metrics on ``app`` (before it starts)."""
+    app[STATUS_PEER] = peer
+    app[CLOSING] = asyncio.Event()
+    registry = CollectorRegistry(auto_describe=True)  # one per peer: several peers share a test process
+    registry.register(PeerCollector(peer))
+    app[REGISTRY] = registry
+    app.middlewares.append(count_payload_bytes)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_get("/", index)
+    app.router.add_get("/api/events", events)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_static("/static/", STATIC, append_version=False)
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    app[CLOSING].set()  # open event streams end now, so the server's shutdown never waits on them
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """``text/event-stream``: the /api/status document once a second until the peer shuts down."""
+    peer = request.app[STATUS_PEER]
+    closing = request.app[CLOSING]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        await resp.write(b"retry: 2000\n\n")
+        while not closing.is_set() and not _stopping(peer):
+            data = json.dumps(peer.status(), separators=(",", ":"), default=_json_default)
+            await resp.write(f"event: status\ndata: {data}\n\n".encode())
+            try:
+                await asyncio.wait_for(closing.wait(), SSE_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+    except (ConnectionResetError, ConnectionError):
+        return resp  # the browser went away
+    try:
+        await resp.write(b"event: bye\ndata: {}\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        pass
+    return resp
+
+
+def _stopping(peer: "Peer") -> bool:
+    stop = getattr(peer, "_stop", None)
+    return bool(stop is not None and stop.is_set())
+
+
+def _json_default(o):
+    return str(o)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def count_payload_bytes(request: web.Request, handler):
+    """Attribute each POST /v1/grads body's size to its sender (known once Peer.offer sees it)."""
+    if request.method != "POST" or request.path != "/v1/grads":
+        return await handler(request)
+    box: dict = {}
+    token = _INCOMING.set(box)
+    try:
+        return await handler(request)
+    finally:
+        _INCOMING.reset(token)
+        sender, size = box.get("sender"), request.content_length
+        timeline = getattr(request.app[STATUS_PEER], "timeline", None)
+        if sender and size and timeline is not None:
+            timeline.link(sender).bytes_in += size
+
+
+class PeerCollector(Collector):
+    """Reads the peer's counters at scrape time (nothing is double-booked into client-side metrics)."""
+
+    def __init__(self, peer: "Peer"):
+        self.peer = peer
+
+    def describe(self):
+        return []  # names are only known at scrape time; skip the registry's duplicate check
+
+    def collect(self) -> Iterator:
+        p = self.peer
+        prog = p.progress
+        yield InfoMetricFamily("swarm_peer", "This peer's identity.", value={"peer_id": p.id, "addr": p.addr or ""})
+        yield _gauge("swarm_step", "Next round this peer will take (its training step).", p.book.step)
+        yield _gauge("swarm_active", "1 while this peer contributes gradients.", int(bool(p.active)))
+        recent = prog.losses[-10:]
+        if recent and math.isfinite(sum(recent)):
+            yield _gauge("swarm_loss", "Mean train loss of this peer's last 10 steps.", sum(recent) / len(recent))
+        if prog.val_loss is not None and math.isfinite(prog.val_loss):
+            yield _gauge("swarm_val_loss", "Last held-out loss this peer evaluated.", prog.val_loss)
+        yield _counter("swarm_tokens", "Tokens this peer trained on.", prog.tokens)
+        yield _counter("swarm_steps_contributed", "Steps this peer computed a gradient for.", prog.contributed)
+        sent = CounterMetricFamily("swarm_bytes_sent", "Bytes sent, by kind.", labels=["kind"])
+        for kind, n in sorted(p.counts.sent.items()):
+            sent.add_metric([kind], n)
+        yield sent
+        recv = CounterMetricFamily("swarm_bytes_received", "Bytes received, by kind.", labels=["kind"])
+        for kind, n in sorted(p.counts.received.items()):
+            recv.add_metric([kind], n)
+        yield recv
+        yield _counter("swarm_dense_bytes", "Bytes dense fp32 gradients to the same targets would have cost.",
+                       p.dense_bytes)
+        yield _counter("swarm_payload_bytes", "Gradient payload bytes produced (once, not per target).",
+                       prog.wire_bytes)
+        yield _counter("swarm_payload_dense_bytes", "fp32 bytes of the same gradients.", prog.dense_equiv)
+        if prog.wire_bytes:
+            yield _gauge("swarm_compression_ratio", "Dense fp32 bytes per payload byte, since start.",
+                         prog.dense_equiv / prog.wire_bytes)
+        stats = vars(p.book.stats)
+        payloads = CounterMetricFamily("swarm_payloads", "Payloads filed in the round book, by verdict.",
+                                       labels=["verdict"])
+        for verdict in ("accepted", "late", "duplicate", "too_old", "too_far_ahead"):
+            payloads.add_metric([verdict], stats.get(verdict, 0))
+        yield payloads
+        yield _counter("swarm_rounds_timed_out", "Rounds that went ahead without every expected payload.",
+                       stats.get("timed_out_rounds", 0))
+        rejected = CounterMetricFamily("swarm_rejected", "Messages this peer rejected, by reason.", labels=["reason"])
+        for reason, n in sorted(p.rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        yield _counter("swarm_dropped_sends", "Outgoing payloads dropped because a send queue was full.",
+                       p.dropped_sends)
+        members = GaugeMetricFamily("swarm_members", "Members this peer knows, by state (itself included).",
+                                    labels=["state"])
+        counts = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
+        if p.members is not None:
+            for m in p.members.members():
+                counts[m.state] = counts.get(m.state, 0) + 1
+        for state, n in counts.items():
+            members.add_metric([state], n)
+        yield members
+        if p.members is not None:
+            yield _gauge("swarm_membership_epoch", "Changes of the set of alive members seen so far.",
+                         p.members.epoch)
+        timeline = getattr(p, "timeline", None)
+        if timeline is not None:
+            rtt = GaugeMetricFamily("swarm_peer_rtt_seconds", "Smoothed ping round-trip time to each peer.",
+                                    labels=["peer"])
+            for pid, lk in sorted(timeline.links.items()):
+                if lk.rtt is not None:
+                    rtt.add_metric([pid], lk.rtt)
+            yield rtt
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
