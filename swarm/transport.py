@@ -86,11 +86,13 @@ class Transport:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise PeerUnreachable(addr, f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__) from None
 
-    async def call(self, addr: str, path: str, msg: dict, *, timeout: float, kind: str = "control") -> dict:
-        """POST a msgpack map, return the msgpack map of the reply."""
-        data = await self.request("POST", addr + path, body=pack(msg), timeout=timeout, kind=kind)
+    async def call(self, addr: str, path: str, msg: dict, *, timeout: float, kind: str = "control",
+                   reply_limit: int = 1 << 20) -> dict:
+        """POST a msgpack map, return the msgpack map of the reply (at most ``reply_limit`` bytes)."""
+        data = await self.request("POST", addr + path, body=pack(msg), timeout=timeout, kind=kind,
+                                  reply_limit=reply_limit)
         try:
-            return unpack_map(data)
+            return unpack_map(data, reply_limit)
         except Exception as e:
             raise PeerUnreachable(addr, f"bad reply: {e}") from None
 

@@ -39,7 +39,9 @@ async def test_three_peers_train_in_lockstep_with_identical_replicas():
     sketches = [r["param_sketch"] for r in results]
     assert rel_l2(sketches[0], sketches[1]) <= 1e-3
     assert rel_l2(sketches[0], sketches[2]) <= 1e-3
-    assert len({r["val_loss"] for r in results}) == 1  # identical replicas, identical held-out loss
+    # identical dense replicas; table rows arrive as fp16 from remote owners and fp32 from our own
+    # shard, so the held-out losses agree to fp16 rounding, not bit for bit
+    assert max(r["val_loss"] for r in results) - min(r["val_loss"] for r in results) < 1e-4
 
 
 async def test_late_joiner_downloads_state_and_catches_up():
