@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -29,12 +30,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOG = open(os.environ.get("SWARM_BENCH_LOG", os.devnull), "a")  # the peers' stderr (-v events)
 
 
 class Proc:
     def __init__(self, args: list[str]):
-        self.p = subprocess.Popen([sys.executable, str(ROOT / "peer.py"), *args], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "peer.py"), "-v", *args], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=LOG)
         self.lines: list[str] = []
         self.port: int | None = None
         self.step = 0
@@ -89,15 +91,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--only", choices=["swarm", "single", "dense1", "kill"], action="append",
+                    help="run only these parts (repeatable)")
     args = ap.parse_args()
+    parts = set(args.only or ["swarm", "single", "dense1", "kill"])
     n, b = args.steps, args.batch_size
     common = ["--batch-size", str(b)]
     t0 = time.time()
     runs: dict[str, list[tuple[int, dict | None]]] = {}
-    runs["swarm"] = swarm(n, common)
-    runs["single"] = [Proc(["--steps", str(n), "--batch-size", str(3 * b)]).result()]
-    runs["dense1"] = [Proc(["--steps", str(n), "--batch-size", str(3 * b), "--compression", "none"]).result()]
-    runs["kill"] = swarm(n, common, kill_at=n // 3)
+    if "swarm" in parts:
+        runs["swarm"] = swarm(n, common)
+    if "single" in parts:
+        runs["single"] = [Proc(["--steps", str(n), "--batch-size", str(3 * b)]).result()]
+    if "dense1" in parts:
+        runs["dense1"] = [Proc(["--steps", str(n), "--batch-size", str(3 * b), "--compression", "none"]).result()]
+    if "kill" in parts:
+        runs["kill"] = swarm(n, common, kill_at=n // 3)
+    for name in ("swarm", "single", "dense1", "kill"):
+        runs.setdefault(name, [])
 
     print(f"{'run':8} {'peer':18} {'exit':>4} {'steps':>5} {'first':>7} {'final':>7} {'val':>7} "
           f"{'sent MB':>8} {'sent/dense':>10}")
@@ -110,14 +121,15 @@ def main() -> None:
             print(f"{name:8} {s['peer_id']:18} {code:>4} {s['steps']:>5} {s['first_loss']:7.3f} {s['final_loss']:7.3f} "
                   f"{s['val_loss']:7.4f} {s['bytes_sent'] / 1e6:8.2f} {frac:10.4f}")
     ok = [s for _, s in runs["swarm"] if s]
-    single = runs["single"][0][1]
+    single = runs["single"][0][1] if runs["single"] else None
     sk = [s["param_sketch"] for s in ok]
     out = {
         "steps": n, "batch_size": b, "seconds": round(time.time() - t0, 1),
         "swarm_exit_codes": [c for c, _ in runs["swarm"]],
         "swarm_val_loss": [s["val_loss"] for s in ok],
         "single_3x_batch_val_loss": single["val_loss"] if single else None,
-        "single_3x_batch_dense_val_loss": runs["dense1"][0][1]["val_loss"] if runs["dense1"][0][1] else None,
+        "single_3x_batch_dense_val_loss": runs["dense1"][0][1]["val_loss"] if runs["dense1"] and runs["dense1"][0][1]
+        else None,
         "worst_val_gap_vs_single": max(abs(s["val_loss"] - single["val_loss"]) / single["val_loss"] for s in ok)
         if single and ok else None,
         "max_sketch_rel_l2": max((rel_l2(x, y) for i, x in enumerate(sk) for y in sk[i + 1:]), default=None),

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--threads", type=int, help=f"torch threads for this peer (default {d.threads})")
     a("--min-peers", type=int, help="wait until this many peers are training before the first step (default 1)")
     a("--table-rows", type=int, help=f"rows of each hashed embedding table (default {d.table_rows})")
+    a("--table-slots", type=int, help=f"slots (row ranges) per table, the unit of ownership (default {d.table_slots})")
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")
     a("--table-lr", type=float, help=f"learning rate of the row-wise Adam on table rows (default {d.table_lr})")
     a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16 or bf16 (default {d.row_dtype})")

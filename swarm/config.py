@@ -43,6 +43,7 @@ class PeerConfig:
     # model size and the sharded tables
     table_rows: int = 65536
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
+    table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
     table_lr: float = 1e-2  # row-wise Adam on the table rows
     row_dtype: str = "fp16"  # rows on the wire (pull replies)
     push_dtype: str = "bf16"  # row gradients on the wire
@@ -75,6 +76,7 @@ class PeerConfig:
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")
         need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
+        need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
         need(0 < self.table_lr < 1, f"--table-lr must be in (0, 1), got {self.table_lr}")
         need(self.row_dtype in ("fp32", "fp16", "bf16"), f"--row-dtype must be fp32, fp16 or bf16, got {self.row_dtype!r}")

@@ -116,6 +116,7 @@ class Peer:
         codec_cfg.validate()
         self.compressor = Compressor(self.trainer.manifest, codec_cfg, sender=self.id)
         self.tables = TableService(self.id, self.trainer.table_specs, replicas=self.cfg.replicas,
+                                   slots=self.cfg.table_slots,
                                    opt=RowOptConfig(kind="adam", lr=self.cfg.table_lr))
 
         from .server import build_app  # the routes are a thin shell over this object
@@ -173,8 +174,14 @@ class Peer:
             "protocol": PROTOCOL_VERSION,
             "corpus": self.corpus_hash,
             "manifest": self.trainer.manifest.hash,
+            "tables": self.table_layout(),
             "membership": self.members.join_request(),
         }
+
+    def table_layout(self) -> str:
+        """What every peer must agree on for the ownership maps to agree: rows, width, slots, replicas."""
+        specs = ",".join(f"{t.name}:{t.rows}x{t.dim}" for t in self.trainer.table_specs)
+        return f"{specs}/slots={self.cfg.table_slots}/replicas={self.cfg.replicas}"
 
     # -- membership shell ----------------------------------------------------------------------
     async def _membership_loop(self) -> None:

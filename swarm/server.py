@@ -60,6 +60,9 @@ async def join(request: web.Request) -> web.Response:
         raise BadRequest("corpus hash differs: this swarm trains on other data (check --data and the Python version)", 409)
     if msg.get("manifest") != peer.trainer.manifest.hash:
         raise BadRequest("model manifest differs: this swarm trains another model (check --table-rows)", 409)
+    if msg.get("tables") != peer.table_layout():
+        raise BadRequest(f"table layout differs: this swarm uses {peer.table_layout()} "
+                         "(check --table-rows, --table-slots and --replicas)", 409)
     if not isinstance(msg.get("membership"), dict):
         raise BadRequest("join message lacks its membership part")
     reply = peer.members.handle_join(msg["membership"], time.monotonic())

@@ -24,7 +24,7 @@ from swarm.config import PeerConfig
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
-SMALL = dict(table_rows=4096, batch_size=4, threads=1, progress_interval=0.5, eval_batches=2,
+SMALL = dict(table_rows=4096, table_slots=256, batch_size=4, threads=1, progress_interval=0.5, eval_batches=2,
              warmup_steps=0, round_timeout=15.0)
 
 

@@ -76,9 +76,9 @@ async def test_control_routes_refuse_garbage(peer, route):
 async def test_join_refuses_another_corpus_model_or_protocol(peer):
     other = Membership("feedface00000000", "http://127.0.0.1:9", time.monotonic())
     good = {"protocol": 1, "corpus": peer.corpus_hash, "manifest": peer.trainer.manifest.hash,
-            "membership": other.join_request()}
+            "tables": peer.table_layout(), "membership": other.join_request()}
     for key, value, needle in [("corpus", "0" * 64, "corpus"), ("manifest", "0" * 16, "manifest"),
-                               ("protocol", 99, "protocol")]:
+                               ("protocol", 99, "protocol"), ("tables", "ngram:8x8/slots=1/replicas=9", "layout")]:
         status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
         assert status == 409 and needle in reply["error"]
     assert peer.members.get("feedface00000000") is None

@@ -4,7 +4,8 @@ TableService (routes) and the client side a training peer uses each step.
 Routes (docs/protocol.md, "Sharded tables"):
   POST /v1/rows/pull     PullRequest (msgpack)    -> rows (safetensors), in request order
   POST /v1/rows/push     PushRequest (safetensors) -> JSON, after the replicas acknowledged
-  POST /v1/rows/replica  replica update (safetensors) -> JSON
+  POST /v1/rows/replay   a primary's applied push, replayed by a replica (safetensors) -> JSON
+  POST /v1/rows/replica  full-state replica update, after a replay was refused (safetensors) -> JSON
   POST /v1/rows/slots    {"table", "slots": [..]} (msgpack) -> {"slots": [slot blob, ...]} (msgpack)
 
 Every TableService call runs on the peer's table thread (``work``), one at a time.
@@ -25,13 +26,14 @@ from aiohttp import web
 from ..transport import PeerUnreachable, Transport
 from ..wire import BadRequest, msgpack_response, pack, read_body, unpack_map
 from .ownership import Move
-from .service import Fenced, Moving, NotPrimary, TableService
+from .service import Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
-from .wire import (PullRequest, PushRequest, WireError, decode_pull, decode_push, decode_replica, decode_rows,
-                   encode_pull, encode_push, encode_replica, encode_rows)
+from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replay,
+                   decode_replica, decode_rows, encode_pull, encode_push, encode_replay, encode_replica, encode_rows)
 
 Work = Callable[..., Awaitable]
 MAX_IDS = 1 << 22  # ids in one pull or push request
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SLOTS_PER_REQUEST = 64
 
 
@@ -177,11 +179,15 @@ class TableClient:
         req = PushRequest(view=view, key=key, ids=sub, grads=parts)
         self.stats.pushes_sent += 1
         if peer == self.self_id:
+            # round through the wire dtype as a remote push would, so replicas replay exact values
+            wire = {t: g.to(_TORCH_DTYPES[self.push_dtype]).to(torch.float32) for t, g in parts.items()}
+            req = PushRequest(view=view, key=key, ids=sub, grads=wire)
             try:
                 forward = await self.work(self.service.apply_push, req)
             except (Fenced, Moving, NotPrimary):
                 return False
-            return await replicate(self, forward, key)
+            await replicate(self, forward)
+            return True
         addr = self.addr_of(peer)
         if addr is None or peer == "":
             return False
@@ -195,40 +201,62 @@ class TableClient:
 
     # -- hand-off -----------------------------------------------------------------------------
     async def fetch(self, moves: list[Move]) -> None:
-        """Fetch newly owned slots from their old owners, batched per (source, table)."""
-        groups: dict[tuple[str, str], list[Move]] = {}
+        """Fetch newly owned slots, asking every old owner that is still here for its copy and
+        keeping the newest (the most row updates applied), in batches per table."""
+        by_table: dict[str, list[Move]] = {}
         for mv in moves:
-            groups.setdefault((mv.sources[0], mv.table), []).append(mv)
-        await asyncio.gather(*(self._fetch_group(list(g)) for g in groups.values()))
+            by_table.setdefault(mv.table, []).append(mv)
+        chunks = [ms[i:i + SLOTS_PER_REQUEST] for ms in by_table.values() for i in range(0, len(ms), SLOTS_PER_REQUEST)]
+        await asyncio.gather(*(self._fetch_chunk(c) for c in chunks))
 
-    async def _fetch_group(self, group: list[Move]) -> None:
-        for i in range(0, len(group), SLOTS_PER_REQUEST):
-            batch = group[i:i + SLOTS_PER_REQUEST]
-            pending = list(batch)
-            for source in batch[0].sources:
-                addr = self.addr_of(source)
-                if addr is None or not pending:
-                    continue
-                try:
-                    reply = await self.transport.call(addr, "/v1/rows/slots",
-                                                      {"table": pending[0].table, "slots": [m.slot for m in pending]},
-                                                      timeout=30.0, kind="handoff", reply_limit=1 << 28)
-                except PeerUnreachable:
-                    continue
-                blobs = reply.get("slots")
-                if not isinstance(blobs, list) or len(blobs) != len(pending):
-                    continue
-                left = []
-                for mv, blob in zip(pending, blobs):
-                    try:
-                        if not isinstance(blob, bytes):
-                            raise WireError("slot blob must be bytes")
-                        await self.work(self.service.import_slot, mv, blob)
-                    except (WireError, ShardError):
-                        left.append(mv)
-                pending = left
+    async def _fetch_chunk(self, chunk: list[Move], deadline_s: float = 30.0) -> None:
+        """A source may have no current copy yet (it is fetching the slot itself): keep asking the
+        sources that are alive, with backoff, until the deadline; only then start the slot from
+        zeros (its rows are lost)."""
+        t0, attempt, table = time.monotonic(), 0, chunk[0].table
+        pending = list(chunk)
+        while pending and time.monotonic() - t0 < deadline_s:
+            pending = [m for m in pending if self.service.moving.get((m.table, m.slot)) is m]
+            sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
+            if not sources:
+                break  # every old owner is gone
+            asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
+            replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
+            offers: dict[int, list[bytes]] = {}
+            for (src, slots), blobs in zip(asked.items(), replies):
+                for slot, blob in zip(slots, blobs):
+                    if isinstance(blob, bytes):
+                        offers.setdefault(slot, []).append(blob)
+            left = []
             for mv in pending:
-                await self.work(self.service.give_up, mv)
+                ok = False
+                if mv.slot in offers:
+                    try:
+                        ok = await self.work(self.service.import_best, mv, offers[mv.slot])
+                    except (WireError, ShardError):
+                        ok = False
+                if not ok and self.service.moving.get((mv.table, mv.slot)) is mv:
+                    left.append(mv)
+            pending = left
+            if pending:
+                attempt += 1
+                await asyncio.sleep(min(0.1 * attempt, 1.0))
+        for mv in pending:
+            await self.work(self.service.give_up, mv)
+
+    async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | None]:
+        addr = self.addr_of(source)
+        if addr is None:
+            return [None] * len(slots)
+        try:
+            reply = await self.transport.call(addr, "/v1/rows/slots", {"table": table, "slots": slots},
+                                              timeout=30.0, kind="handoff", reply_limit=1 << 28)
+        except PeerUnreachable:
+            return [None] * len(slots)
+        blobs = reply.get("slots")
+        if not isinstance(blobs, list) or len(blobs) != len(slots):
+            return [None] * len(slots)
+        return [b if isinstance(b, bytes) else None for b in blobs]
 
     def status(self) -> dict:
         s = self.stats
@@ -237,25 +265,39 @@ class TableClient:
                 "retries": s.retries}
 
 
-async def replicate(client_or_peer, forward: dict[str, list[tuple[str, dict]]], key: str) -> bool:
-    """Send a primary's updates to its replicas and wait for them (bounded); True if all landed."""
-    transport: Transport = client_or_peer.transport
-    addr_of = client_or_peer.addr_of
-    view = client_or_peer.service.view
+async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
+    """Send a primary's applied pushes to its replicas and wait for them (bounded); True if all landed.
 
-    async def one(peer: str, table: str, update: dict) -> bool:
-        addr = addr_of(peer)
+    Each replica replays the same gradients (bf16 when that is exact, else fp32). A replica that
+    missed an update answers 409 replica-diverged and gets the rows' full state instead."""
+    async def one(peer: str, rp: Replay) -> bool:
+        addr = client.addr_of(peer)
         if addr is None:
             return False
-        body = await asyncio.to_thread(encode_replica, table, update, view, key)
+        exact = torch.equal(rp.grads, rp.grads.to(torch.bfloat16).to(torch.float32))
+        body = await asyncio.to_thread(encode_replay, rp, "bf16" if exact else "fp32")
         try:
-            await transport.request("POST", addr + "/v1/rows/replica", body=body, timeout=5.0,
-                                    content_type="application/octet-stream", kind="replica", reply_kind="replica")
+            await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
+                                           content_type="application/octet-stream", kind="replica",
+                                           reply_kind="replica")
+            return True
+        except PeerUnreachable as e:
+            if e.code != "replica-diverged":
+                return False
+        try:
+            state = await client.work(client.service.full_state, rp.table, rp.ids)
+        except (Moving, NotPrimary, ShardError):
+            return False
+        body = await asyncio.to_thread(encode_replica, rp.table, state, rp.view, rp.key)
+        try:
+            await client.transport.request("POST", addr + "/v1/rows/replica", body=body, timeout=5.0,
+                                           content_type="application/octet-stream", kind="replica",
+                                           reply_kind="replica")
             return True
         except PeerUnreachable:
             return False
 
-    oks = await asyncio.gather(*(one(p, t, u) for p, ups in forward.items() for t, u in ups))
+    oks = await asyncio.gather(*(one(p, rp) for p, rps in forward.items() for rp in rps))
     return all(oks)
 
 
@@ -272,6 +314,8 @@ def _service_errors(e: Exception) -> BadRequest:
         return BadRequest(f"{e}", 503, code="slot-moving")
     if isinstance(e, NotPrimary):
         return BadRequest(f"{e}", 409, code="not-owner")
+    if isinstance(e, Diverged):
+        return BadRequest(f"{e}", 409, code="replica-diverged")
     return BadRequest(f"{e}", 400)
 
 
@@ -313,7 +357,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             forward = await peer.table_work(peer.tables.apply_push, req)
         except (Fenced, Moving, NotPrimary, ShardError) as e:
             raise _service_errors(e) from None
-        replicated = await replicate(peer.table_client, forward, req.key)
+        replicated = await replicate(peer.table_client, forward)
         return web.json_response({"applied": True, "replicated": replicated})
 
     async def replica(request: web.Request) -> web.Response:
@@ -331,6 +375,19 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             raise _service_errors(e) from None
         return web.json_response({"applied": fresh})
 
+    async def replay(request: web.Request) -> web.Response:
+        peer = ready(request)
+        body = await read_body(request, MAX_IDS * (4 + 8 + 4 * max(s.dim for s in peer.tables.specs)) + 65536)
+        try:
+            rp = await asyncio.to_thread(decode_replay, body, peer.tables.by_name, MAX_IDS)
+        except WireError as e:
+            raise BadRequest(f"bad replay: {e}") from None
+        try:
+            fresh = await peer.table_work(peer.tables.apply_replay, rp)
+        except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
+            raise _service_errors(e) from None
+        return web.json_response({"applied": fresh})
+
     async def slots(request: web.Request) -> web.Response:
         peer = ready(request)
         msg = unpack_map(await read_body(request, 65536), 65536)
@@ -341,18 +398,21 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
                 or not all(type(s) is int for s in wanted)):
             raise BadRequest(f"slots must be a list of 1..{SLOTS_PER_REQUEST} ints")
 
-        def export() -> list[bytes]:
-            return [peer.tables.export_slot(table, s) for s in wanted]
+        def export() -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for s in wanted:
+                try:
+                    out.append(peer.tables.export_slot(table, s))
+                except (NotPrimary, ShardError, ValueError):
+                    out.append(None)  # no copy to give (yet): the asker tries the other owners
+            return out
 
-        try:
-            blobs = await peer.table_work(export)
-        except (NotPrimary, ShardError, ValueError) as e:
-            raise _service_errors(e) from None
-        return msgpack_response({"slots": blobs})
+        return msgpack_response({"slots": await peer.table_work(export)})
 
     app.router.add_post("/v1/rows/pull", pull)
     app.router.add_post("/v1/rows/push", push)
     app.router.add_post("/v1/rows/replica", replica)
+    app.router.add_post("/v1/rows/replay", replay)
     app.router.add_post("/v1/rows/slots", slots)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from .ownership import Move, OwnershipMap, TableSpec, moves
 from .shard import RowOptConfig, ShardError, TableShard
-from .wire import PullRequest, PushRequest, decode_slot, encode_slot
+from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot
 
 
 class Fenced(Exception):
@@ -50,6 +50,10 @@ class NotPrimary(Exception):
     """A push reached a peer that is not the slot's primary in its view (HTTP 409)."""
 
 
+class Diverged(Exception):
+    """A replica's rows are not at the update a replay builds on (HTTP 409): send the full state."""
+
+
 @dataclass
 class TableStats:
     rows_served: int = 0
@@ -57,7 +61,9 @@ class TableStats:
     pushes_applied: int = 0
     rows_updated: int = 0
     duplicate_pushes: int = 0
-    replica_updates: int = 0
+    replica_updates: int = 0  # full-state replica updates applied
+    replays_applied: int = 0  # replica steps replayed from the primary's gradients
+    replays_diverged: int = 0
     slots_fetched: int = 0
     slots_created: int = 0
     slots_lost: int = 0  # slots that had owners, none of whom could hand them over: restarted from zeros
@@ -98,6 +104,11 @@ class TableService:
         if self.map is not None and tuple(members) == self.map.members:
             return []
         old = self.map
+        others = [m for m in members if m != self.self_id]
+        if old is None and others:
+            # We are joining a swarm that already holds the tables: hand-offs come from the owners
+            # of the map it had before us (if it has only just started, those hold zero rows too).
+            old = OwnershipMap(self.specs, others, replicas=self.replicas, slots=self.slots)
         new = OwnershipMap(self.specs, members, replicas=self.replicas, slots=self.slots)
         self.map = new
         self.epoch += 1
@@ -110,14 +121,14 @@ class TableService:
                 continue
             key = (mv.table, mv.slot)
             self.releasing.pop(key, None)
-            if self.shards[mv.table].has_slot(mv.slot):
-                continue  # we still hold it from an earlier map
+            # A copy we still hold from an earlier map (waiting to be released) is stale: we were
+            # not an owner in `old`, so updates went elsewhere. Fetch it again.
             sources = tuple(s for s in mv.sources if s != self.self_id)
             if sources:
                 self.moving[key] = Move(mv.table, mv.slot, mv.to, sources)
                 fetch.append(self.moving[key])
             else:
-                if old is not None:
+                if old is not None:  # it had owners, and none of them is still here
                     self.stats.slots_lost += 1
                 fresh[mv.table].append(mv.slot)
                 self.stats.slots_created += 1
@@ -148,9 +159,9 @@ class TableService:
     def _held(self, table: str, ids: np.ndarray) -> None:
         shard = self.shards[table]
         for slot in np.unique(self.map.slot_of(table, ids)).tolist():
+            if (table, slot) in self.moving:
+                raise Moving(f"slot {slot} of {table!r} is being handed over to this peer")
             if not shard.has_slot(slot):
-                if (table, slot) in self.moving:
-                    raise Moving(f"slot {slot} of {table!r} is being handed over to this peer")
                 raise NotPrimary(f"this peer does not hold slot {slot} of {table!r}")
 
     # -- serving ------------------------------------------------------------------------------
@@ -170,8 +181,8 @@ class TableService:
         self.stats.rows_served += len(ids)
         return self.shards[table].read(ids)
 
-    def apply_push(self, req: PushRequest) -> dict[str, list[tuple[str, dict[str, torch.Tensor]]]]:
-        """Apply pushed row gradients as the primary; returns {replica peer: [(table, update)]}."""
+    def apply_push(self, req: PushRequest) -> dict[str, list[Replay]]:
+        """Apply pushed row gradients as the primary; returns {replica peer: [Replay]} to forward."""
         self._fence(req.view)
         todo = []
         for table, ids in req.ids.items():
@@ -185,37 +196,60 @@ class TableService:
                 raise NotPrimary(f"this peer is not the primary of every slot of {table!r} in this push")
             self._held(table, ids)
             todo.append(table)
-        forward: dict[str, list[tuple[str, dict[str, torch.Tensor]]]] = {}
+        forward: dict[str, list[Replay]] = {}
         for table in todo:
-            ids = req.ids[table]
-            update = self.shards[table].apply_grads(ids, req.grads[table])
+            ids, grads = req.ids[table], req.grads[table]
+            update = self.shards[table].apply_grads(ids, grads)
             self._remember((req.key, table))
             self.stats.pushes_applied += 1
             self.stats.rows_updated += len(ids)
-            self._fan_out(table, ids, update, forward)
+            # one push is split across primaries, each replaying its part to the same replicas: the
+            # replica's exactly-once key names the primary too
+            replay_key = f"{self.self_id}/{req.key}"
+            self._fan_out(Replay(table, req.view, replay_key, ids, grads, update["step"] - 1), forward)
         return forward
 
-    def _fan_out(self, table: str, ids: np.ndarray, update: dict[str, torch.Tensor], forward: dict) -> None:
-        """Cut a primary's update by replica: each replica gets the rows of the slots it holds."""
+    def _fan_out(self, rp: Replay, forward: dict) -> None:
+        """Cut an applied push by replica: each replica replays the rows of the slots it holds."""
         if self.map.replicas < 2:
             return
-        slots = self.map.slot_of(table, ids)
-        om = self.map.owner_matrix(table)[slots, 1:]
+        slots = self.map.slot_of(rp.table, rp.ids)
+        om = self.map.owner_matrix(rp.table)[slots, 1:]
         for r in range(om.shape[1]):
             for member_idx in np.unique(om[:, r]).tolist():
                 sel = np.flatnonzero(om[:, r] == member_idx)
-                part = {k: v[torch.from_numpy(sel)] for k, v in update.items()}
-                forward.setdefault(self.map.members[member_idx], []).append((table, part))
+                t = torch.from_numpy(sel)
+                part = Replay(rp.table, rp.view, rp.key, rp.ids[sel], rp.grads[t], rp.pre_step[t])
+                forward.setdefault(self.map.members[member_idx], []).append(part)
+
+    def apply_replay(self, rp: Replay) -> bool:
+        """Replay a primary's optimizer step on our replica rows: the same gradients on rows at the
+        same update count give the same bits. False (ignored) when it is a repeat; Diverged when
+        our rows are not where the primary's were (a missed or reordered update)."""
+        self._fence(rp.view)
+        if (rp.key, "replica:" + rp.table) in self.applied:
+            return False
+        self._held(rp.table, rp.ids)
+        shard = self.shards[rp.table]
+        if not torch.equal(shard.steps(rp.ids), rp.pre_step):
+            self.stats.replays_diverged += 1
+            raise Diverged(f"replica rows of {rp.table!r} are not at the primary's update count")
+        shard.apply_grads(rp.ids, rp.grads)
+        self._remember((rp.key, "replica:" + rp.table))
+        self.stats.replays_applied += 1
+        return True
+
+    def full_state(self, table: str, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """Current rows and optimizer state, for a replica that diverged (a full-state update)."""
+        self._held(table, ids)
+        return self.shards[table].read_state(ids)
 
     def apply_replica(self, table: str, update: dict[str, torch.Tensor], view: str, key: str) -> bool:
-        """A primary's update for rows we replicate. False (ignored) when it is a repeat."""
+        """A primary's full-state update of rows we replicate (overwrites: always safe to apply)."""
         self._fence(view)
-        if (key, "replica:" + table) in self.applied:
-            return False
         ids = update["ids"].numpy()
         self._held(table, ids)
         self.shards[table].apply_replica_update(update)
-        self._remember((key, "replica:" + table))
         self.stats.replica_updates += 1
         return True
 
@@ -226,23 +260,42 @@ class TableService:
 
     # -- hand-off -----------------------------------------------------------------------------
     def export_slot(self, table: str, slot: int) -> bytes:
-        """A held slot, rows and optimizer state, for a new owner (not fenced: reading is harmless)."""
+        """A held slot, rows and optimizer state, for a new owner (not fenced: reading is harmless).
+
+        Only an owner's copy is current: a copy kept for release, or one still being fetched, is not."""
         if table not in self.shards:
             raise NotPrimary(f"unknown table {table!r}")
         shard = self.shards[table]
+        if (table, slot) in self.moving:
+            raise NotPrimary(f"this peer is still fetching slot {slot} of {table!r}")
         if not shard.has_slot(slot):
             raise NotPrimary(f"this peer does not hold slot {slot} of {table!r}")
         return encode_slot(table, slot, shard.export_slot(slot), self.view or "0" * 16)
 
-    def import_slot(self, move: Move, blob: bytes) -> bool:
-        """Install a fetched slot if we still await it; False if it is no longer wanted."""
-        table, slot, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows)
-        if (table, slot) != (move.table, move.slot):
-            raise ShardError(f"asked for slot {move.slot} of {move.table!r}, got {slot} of {table!r}")
-        if self.moving.get((table, slot)) is None:
+    def import_best(self, move: Move, blobs: list[bytes]) -> bool:
+        """Install the newest of the offered copies of a slot we await; False if none is usable or
+        the slot is no longer wanted. Row update counters only grow, so the copy with the most
+        updates applied is the current one (a copy kept for release by a former owner may be older).
+        A stale copy this peer still holds counts as an offer too."""
+        if self.moving.get((move.table, move.slot)) is not move:
             return False
-        self.shards[table].import_slot(slot, tensors)
-        del self.moving[(table, slot)]
+        best, best_version = None, -1
+        for blob in blobs:
+            try:
+                table, slot, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows)
+            except ValueError:
+                continue
+            if (table, slot) != (move.table, move.slot):
+                continue
+            version = int(tensors["step"].sum())
+            if version > best_version:
+                best, best_version = tensors, version
+        if best is None:
+            return False
+        shard = self.shards[move.table]
+        if not (shard.has_slot(move.slot) and int(shard.export_slot(move.slot)["step"].sum()) > best_version):
+            shard.import_slot(move.slot, best)
+        del self.moving[(move.table, move.slot)]
         self.stats.slots_fetched += 1
         return True
 

@@ -298,6 +298,10 @@ class TableShard:
         """fp32 [len(ids), dim] copies of the rows, in ids order."""
         return self._rows.index_select(0, self._pool_index(ids))
 
+    def steps(self, ids: np.ndarray) -> torch.Tensor:
+        """int64 update counters of these rows (how many optimizer steps each has had)."""
+        return self._step.index_select(0, self._pool_index(ids))
+
     def read_state(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         """{"ids", "rows", state..., "step"} of these (sorted-unique) rows: a replica update."""
         ids = self._sorted_unique(ids, "read_state")

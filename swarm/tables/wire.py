@@ -27,7 +27,8 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import state_keys
 
-__all__ = ["WireError", "DTYPES", "PullRequest", "PushRequest", "encode_pull", "decode_pull", "encode_rows",
+__all__ = ["WireError", "DTYPES", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
+           "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
 
@@ -476,3 +477,56 @@ def decode_slot(data: bytes, tables: Mapping[str, TableSpec],
     out["step"] = blob.get("step", ("I64",), (n,))
     _check_state(out, k, "slot")
     return spec.name, slot, out, view
+
+
+# ----------------------------------------------------------------------------- replica replay
+
+@dataclass
+class Replay:
+    """A primary's applied push, for a replica to apply the same optimizer step to the same rows.
+
+    ``pre_step`` is each row's update counter before the step: a replica whose counters differ has
+    missed or reordered an update and must not apply this one (it asks for the full state instead).
+    """
+    table: str
+    view: str
+    key: str
+    ids: np.ndarray
+    grads: torch.Tensor
+    pre_step: torch.Tensor
+
+
+def encode_replay(rp: Replay, dtype: str = "fp32") -> bytes:
+    _check_view(rp.view)
+    _check_key(rp.key)
+    _check_dtype(dtype)
+    ids = _ids_in(rp.ids, 1 << 31, "replay")
+    g, s = rp.grads, rp.pre_step
+    if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != ids.size:
+        raise WireError("replay grads must be [len(ids), dim]")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or tuple(s.shape) != (ids.size,):
+        raise WireError("replay pre_step must be int64 [len(ids)]")
+    return _save({"ids": torch.from_numpy(ids.astype(np.int32)), "g": _cast(g, dtype, "replay grads"), "s": s},
+                 {"v": str(VERSION), "table": rp.table, "view": rp.view, "key": rp.key})
+
+
+@_guard
+def decode_replay(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> Replay:
+    """Known table, ids strictly increasing < rows (at most max_ids), grads [n, dim] finite, pre_step >= 0."""
+    tables = _tables(tables)
+    blob = _Blob(data)
+    _meta(blob.meta, {"v", "table", "view", "key"})
+    spec = _spec(tables, blob.meta["table"])
+    view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
+    blob.names({"ids", "g", "s"})
+    _, shp, _ = blob.entries["ids"]
+    if len(shp) != 1 or shp[0] > max_ids:
+        raise WireError(f"replay ids must be 1-D with at most {max_ids} entries")
+    n = shp[0]
+    ids = _check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replay")
+    g = blob.get("g", _FLOATS, (n, spec.dim))
+    _finite(g, "replay grads")
+    s = blob.get("s", ("I64",), (n,))
+    if n and int(s.min()) < 0:
+        raise WireError("replay pre_step has negative values")
+    return Replay(spec.name, view, key, ids, g, s)
