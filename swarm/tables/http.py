@@ -88,7 +88,10 @@ class TableClient:
                 break
             by_peer: dict[str, dict[str, np.ndarray]] = {}
             for table, ids in todo.items():
-                for peer, sub in omap.plan(table, ids, down=self.down() | unreachable).items():
+                local, remote = self._split_local(omap, table, ids)
+                if len(local):
+                    by_peer.setdefault(self.self_id, {})[table] = local
+                for peer, sub in omap.plan(table, remote, down=self.down() | unreachable).items():
                     by_peer.setdefault(peer, {})[table] = sub
             results = await asyncio.gather(*(self._pull_from(peer, sub, omap.view) for peer, sub in by_peer.items()))
             for peer, (got, gone) in zip(by_peer, results):
@@ -111,6 +114,15 @@ class TableClient:
         self.stats.rows_missing += sum(len(v) for v in missing.values())
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
+
+    def _split_local(self, omap, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ids whose slot this peer owns (primary or replica) are read here: a replica is written
+        before the primary acknowledges a push, so its rows are as current as the primary's."""
+        if not len(ids) or self.self_id not in omap.index:
+            return ids[:0], ids
+        me = omap.index[self.self_id]
+        mine = (omap.owner_matrix(table) == me).any(axis=1)[omap.slot_of(table, ids)]
+        return ids[mine], ids[~mine]
 
     async def _pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
@@ -319,6 +331,23 @@ def _service_errors(e: Exception) -> BadRequest:
     return BadRequest(f"{e}", 400)
 
 
+def body_limits(service: TableService) -> dict[str, int]:
+    """Body limit of each table route (bytes), checked before and while the body is read (413).
+
+    A request's ids are strictly increasing and below each table's row count, so no valid body
+    carries more than ``rows`` ids per table (and never more than MAX_IDS): the limits follow the
+    tables' real size, not MAX_IDS alone (which would allow bodies of several GB)."""
+    ids = min(MAX_IDS, sum(s.rows for s in service.specs))
+    dim = max(s.dim for s in service.specs)
+    return {
+        "/v1/rows/pull": 1024 + 4 * ids,
+        "/v1/rows/push": ids * (4 + 4 * dim) + 65536,
+        "/v1/rows/replica": ids * 4 * (3 * dim + 4) + 65536,
+        "/v1/rows/replay": ids * (4 + 8 + 4 * dim) + 65536,
+        "/v1/rows/slots": 65536,
+    }
+
+
 def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) -> None:
     """Mount the table routes; ``get_peer`` returns the Peer (or raises BadRequest 503 while starting)."""
 
@@ -330,7 +359,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def pull(request: web.Request) -> web.Response:
         peer = ready(request)
-        body = await read_body(request, 1024 + 4 * MAX_IDS)
+        body = await read_body(request, body_limits(peer.tables)["/v1/rows/pull"])
         try:
             req = decode_pull(body, peer.tables.by_name, MAX_IDS)
         except WireError as e:
@@ -347,8 +376,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def push(request: web.Request) -> web.Response:
         peer = ready(request)
-        limit = MAX_IDS * (4 + 4 * max(s.dim for s in peer.tables.specs)) + 65536
-        body = await read_body(request, limit)
+        body = await read_body(request, body_limits(peer.tables)["/v1/rows/push"])
         try:
             req = await asyncio.to_thread(decode_push, body, peer.tables.by_name, MAX_IDS)
         except WireError as e:
@@ -362,8 +390,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def replica(request: web.Request) -> web.Response:
         peer = ready(request)
-        limit = MAX_IDS * 4 * (3 * max(s.dim for s in peer.tables.specs) + 4) + 65536
-        body = await read_body(request, limit)
+        body = await read_body(request, body_limits(peer.tables)["/v1/rows/replica"])
         try:
             table, update, view, key = await asyncio.to_thread(decode_replica, body, peer.tables.by_name,
                                                                peer.tables.opt.kind)
@@ -377,7 +404,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def replay(request: web.Request) -> web.Response:
         peer = ready(request)
-        body = await read_body(request, MAX_IDS * (4 + 8 + 4 * max(s.dim for s in peer.tables.specs)) + 65536)
+        body = await read_body(request, body_limits(peer.tables)["/v1/rows/replay"])
         try:
             rp = await asyncio.to_thread(decode_replay, body, peer.tables.by_name, MAX_IDS)
         except WireError as e:
@@ -390,7 +417,8 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def slots(request: web.Request) -> web.Response:
         peer = ready(request)
-        msg = unpack_map(await read_body(request, 65536), 65536)
+        limit = body_limits(peer.tables)["/v1/rows/slots"]
+        msg = unpack_map(await read_body(request, limit), limit)
         table, wanted = msg.get("table"), msg.get("slots")
         if table not in peer.tables.by_name:
             raise BadRequest(f"unknown table {str(table)[:40]!r}")
@@ -416,4 +444,4 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
     app.router.add_post("/v1/rows/slots", slots)
 
 
-__all__ = ["TableClient", "add_routes", "replicate", "RowStats", "pack"]
+__all__ = ["TableClient", "add_routes", "body_limits", "replicate", "RowStats", "pack"]
