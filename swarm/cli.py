@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, help="port to listen on; 0 picks any free port (default 0)")
     a("--advertise", help="host[:port] the other peers should use to reach this one (default: --host)")
     a("--join", help="host:port of any live member of the swarm to join")
+    a("--secret", help="shared secret of the swarm: every peer-to-peer request is signed with it "
+                       "(HMAC-SHA256); 'generate' (first peer only) makes one and prints the join command. "
+                       "Default: none, the swarm is open (see docs/security.md)")
+    a("--status-auth", type=int, help="1: the status page, /api/status, /api/events and /metrics need the secret "
+                                      "too (?token=, printed at start); 0: open (default 0)")
     a("--join-timeout", type=float, help=f"seconds to keep retrying an unreachable --join (default {d.join_timeout})")
     a("--steps", type=int, help="stop once the swarm reaches this step, evaluate, and print a JSON summary "
                                 "(default 0: train until stopped)")

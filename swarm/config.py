@@ -26,6 +26,9 @@ class PeerConfig:
     advertise: str = ""  # host[:port] other peers should use; defaults to host:port
     join: str = ""  # host:port of any live member
     join_timeout: float = 10.0  # keep retrying an unreachable --join this long, then give up
+    # security (docs/security.md)
+    secret: str = field(default="", repr=False)  # shared swarm secret; "" = open swarm; "generate" (first peer)
+    status_auth: int = 0  # 1 = the status page, /api/status, /api/events and /metrics need the secret too
     # training
     steps: int = 0  # 0 = train until stopped; else stop once the swarm step reaches this
     batch_size: int = 16
@@ -88,6 +91,15 @@ class PeerConfig:
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        need(self.status_auth in (0, 1), f"--status-auth must be 0 or 1, got {self.status_auth}")
+        need(not self.status_auth or bool(self.secret), "--status-auth 1 needs a --secret")
+        if self.secret == "generate":
+            need(not self.join, "--secret generate is for the first peer only; "
+                                "a joiner needs the swarm's secret (--secret VALUE)")
+        elif self.secret:
+            need(len(self.secret) >= 16 and self.secret.isprintable() and self.secret.strip() == self.secret,
+                 "--secret must be at least 16 printable characters without surrounding spaces "
+                 "(or 'generate' on the first peer)")
         if self.join:
             parse_hostport(self.join, what="--join")
         if self.advertise:

@@ -119,8 +119,19 @@ class Peer:
                                    slots=self.cfg.table_slots,
                                    opt=RowOptConfig(kind="adam", lr=self.cfg.table_lr))
 
+        from . import auth  # docs/security.md
         from .server import build_app  # the routes are a thin shell over this object
 
+        generated = self.cfg.secret == "generate"  # (config: only without --join)
+        if generated:
+            self.cfg.secret = auth.generate_secret()
+        self.verifier = auth.Verifier(self.cfg.secret) if self.cfg.secret else None
+        self.status_token = auth.status_token(self.cfg.secret) if self.cfg.secret and self.cfg.status_auth else None
+        self.transport.signer = auth.Signer(self.cfg.secret) if self.cfg.secret else None
+        if not self.cfg.secret:
+            import sys
+
+            print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -138,6 +149,11 @@ class Peer:
                                         self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
                  f"(model {self.trainer.manifest.numel / 1e6:.2f}M params, corpus {corpus.name} {corpus.hash[:12]})")
+        if generated:
+            self.out(f"join this swarm with: python3 peer.py --join {self.addr[len('http://'):]} "
+                     f"--secret {self.cfg.secret}")
+        if self.status_token:
+            self.out(f"status page: {self.addr}/?token={self.status_token}")
         if self.cfg.join:
             await self._join()
         await self._update_map()
@@ -585,6 +601,7 @@ class Peer:
             "row_bytes_received": self.counts.received.get("rows", 0) + self.counts.received.get("replica", 0),
             "rows": self.table_client.status() if self.table_client else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
+            "table_stats": vars(self.tables.stats).copy() if self.tables else None,
             "param_sketch": sketch,
         }
 

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import gossip
+from . import auth, gossip
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .membership import MembershipError
 from .tables.http import add_routes as add_table_routes
+from .tables.http import body_limits as table_body_limits
 from .status import routes as status_page
-from .wire import PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body, unpack_map
+from .wire import BODY, PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body, unpack_map
 
 if TYPE_CHECKING:
     from .node import Peer
@@ -27,6 +28,82 @@ PEER = web.AppKey("peer", object)
 CONTROL_LIMIT = 256 * 1024  # membership and join messages
 # A sparse payload denser than this is larger than a dense one; the codec sends dense there instead.
 MAX_SPARSE_RATIO = 0.5
+CONTROL_PATHS = ("/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave")
+# the status routes --status-auth 1 closes (/static/* stays open: the page's assets hold no data)
+STATUS_PATHS = ("/", "/api/status", "/api/events", "/metrics")
+STATUS_COOKIE = "swarm_status"
+VERIFIER = web.AppKey("verifier", object)  # auth.Verifier, or None: no --secret, nothing is checked
+STATUS_TOKEN = web.AppKey("status_token", object)  # str, or None: the status routes are open
+# Every authentication failure gets exactly this answer, whatever failed (docs/security.md).
+UNAUTHORIZED_REASON = "unauthorized: this peer only answers requests signed with the swarm's --secret (HTTP 401)"
+
+
+def grads_limit(manifest) -> int:
+    """Largest POST /v1/grads body: a dense fp32 payload plus its header."""
+    return manifest.numel * 4 + (1 << 16)
+
+
+def body_limit(request: web.Request) -> int:
+    """The body limit of the route ``request`` goes to (the same one its handler reads with)."""
+    path = request.path
+    if request.method in ("GET", "HEAD"):
+        return 0  # no GET route takes a body
+    if path in CONTROL_PATHS:
+        return CONTROL_LIMIT
+    peer = request.app[PEER]
+    if path == "/v1/grads":
+        if peer.trainer is None:
+            raise BadRequest("peer is starting", 503)
+        return grads_limit(peer.trainer.manifest)
+    if path.startswith("/v1/rows/"):
+        if getattr(peer, "tables", None) is None:
+            raise BadRequest("this peer serves no tables yet", 503, code="starting")
+        return table_body_limits(peer.tables).get(path, 0)
+    return 0
+
+
+def _unauthorized() -> web.Response:
+    return error_response(UNAUTHORIZED_REASON, 401, "unauthorized")
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler):
+    """With a --secret: every /v1/* request must be signed (swarm/auth.py); with --status-auth 1
+    the status routes need the status token (``?token=``, ``Authorization: Bearer``, the cookie the
+    page sets) or a signature. The body is read here (through the route's limit) because the
+    signature covers its hash; the handler gets the same bytes from ``read_body``."""
+    verifier = request.app[VERIFIER]
+    if verifier is None:
+        return await handler(request)
+    path = request.path
+    if not path.startswith("/v1/"):
+        token = request.app[STATUS_TOKEN]
+        if token is None or path not in STATUS_PATHS:
+            return await handler(request)
+        presented = request.query.get("token")
+        if auth.token_ok(presented, token):
+            resp = await handler(request)
+            if path == "/" and isinstance(resp, web.StreamResponse) and not resp.prepared:
+                # the page's own fetches (/api/events, /api/status) then carry the token as a cookie
+                resp.set_cookie(STATUS_COOKIE, token, httponly=True, samesite="Strict", path="/")
+            return resp
+        bearer = request.headers.get("Authorization", "")
+        if (bearer.startswith("Bearer ") and auth.token_ok(bearer[7:].strip(), token)) or \
+                auth.token_ok(request.cookies.get(STATUS_COOKIE), token):
+            return await handler(request)
+        if not any(h in request.headers for h in auth.HEADERS):
+            return _unauthorized()
+    now = time.time()
+    if not verifier.check_headers(request.headers, now):
+        return _unauthorized()  # refused before reading a byte of the body
+    try:
+        body = await read_body(request, body_limit(request))
+    except BadRequest as e:
+        return error_response(e.reason, e.status, e.code)
+    if not verifier.verify(request.method, request.raw_path, auth.body_hash(body), request.headers, now):
+        return _unauthorized()
+    request[BODY] = body
+    return await handler(request)
 
 
 @web.middleware
@@ -100,7 +177,7 @@ async def grads(request: web.Request) -> web.Response:
     if mode not in MODES:
         raise BadRequest(f"{HEADER} header must be one of {', '.join(MODES)}, got {mode!r}")
     manifest = peer.trainer.manifest
-    limit = manifest.numel * 4 + (1 << 16)
+    limit = grads_limit(manifest)
     body = await read_body(request, limit)
     try:
         decoded = await asyncio.to_thread(decode_payload, body, manifest, header_mode=mode,
@@ -148,8 +225,10 @@ async def status(request: web.Request) -> web.Response:
 
 
 def build_app(peer: "Peer") -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=CONTROL_LIMIT)
+    app = web.Application(middlewares=[authenticate, errors], client_max_size=CONTROL_LIMIT)
     app[PEER] = peer
+    app[VERIFIER] = getattr(peer, "verifier", None)
+    app[STATUS_TOKEN] = getattr(peer, "status_token", None)
     app.router.add_post("/v1/join", join)
     app.router.add_post("/v1/ping", ping)
     app.router.add_post("/v1/ping-req", ping_req)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
+from yarl import URL
 
+from .auth import Signer
 from .wire import MSGPACK_TYPE, pack, unpack_map
 
 
@@ -41,6 +44,7 @@ class Transport:
     def __init__(self, counts: ByteCounts, headers: dict[str, str] | None = None):
         self.counts = counts
         self.headers = headers or {}
+        self.signer: Signer | None = None  # set when the swarm has a --secret: every request is signed
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -67,6 +71,8 @@ class Transport:
         addr = url.split("/v1/")[0]
         hdrs = {"Content-Type": content_type, **(headers or {})} if body is not None else dict(headers or {})
         try:
+            if self.signer is not None:  # over the request target exactly as aiohttp sends it
+                hdrs.update(self.signer.headers(method, URL(url).raw_path_qs, body, time.time()))
             async with self.session.request(method, url, data=body, headers=hdrs,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if body is not None:
@@ -83,7 +89,8 @@ class Transport:
                     reason, code = _reason(data)
                     raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code)
                 return bytes(data)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            # ValueError: an address no URL parser accepts (a member record is remote input)
             raise PeerUnreachable(addr, f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__) from None
 
     async def call(self, addr: str, path: str, msg: dict, *, timeout: float, kind: str = "control",

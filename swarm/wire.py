@@ -25,8 +25,19 @@ class BadRequest(Exception):
         self.code = code  # machine-readable, for the few refusals a sender reacts to
 
 
+# request key: the body, once a middleware (authentication) has read it
+BODY = web.RequestKey("swarm_body", bytes) if hasattr(web, "RequestKey") else "swarm.body"
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes before or while reading it."""
+    """The request body, refusing (413) anything over ``limit`` bytes before or while reading it.
+
+    A body already read by a middleware (it had to hash it) is returned from ``request[BODY]``."""
+    cached = request.get(BODY)
+    if cached is not None:
+        if len(cached) > limit:
+            raise BadRequest(f"body exceeds this route's limit of {limit} bytes", 413)
+        return cached
     length = request.content_length
     if length is not None and length > limit:
         raise BadRequest(f"body of {length} bytes exceeds this route's limit of {limit}", 413)

@@ -50,6 +50,48 @@ async def test_sigkill_of_one_peer_mid_run_the_others_finish(spawn):
     assert rel_l2(sa["param_sketch"], sb["param_sketch"]) <= 1e-2
 
 
+async def until_settled(ports: list[int], timeout: float = 60.0) -> None:
+    """Until every peer reports the same ownership view and no pending hand-off."""
+    import time
+
+    import aiohttp
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() - t0 < timeout:
+            views, pending = set(), 0
+            for p in ports:
+                async with s.get(f"http://127.0.0.1:{p}/api/status") as r:
+                    t = (await r.json())["tables"]
+                views.add(t["view"])
+                pending += t["handoffs_pending"]
+            if len(views) == 1 and pending == 0:
+                return
+            await asyncio.sleep(0.2)
+    raise AssertionError("peers did not settle")
+
+
+async def test_four_peers_two_replicas_sigkill_loses_no_table_rows(spawn):
+    """Issue 4's must-show: with R=2 a SIGKILLed peer's slots all have a live owner that hands them
+    over (no slot restarts from zeros), and training goes on."""
+    steps = 40
+    common = ["--steps", str(steps), "--min-peers", "4", "--replicas", "2"]
+    a = spawn(*common)
+    port = await a.port()
+    others = [spawn(*common, "--join", f"127.0.0.1:{port}") for _ in range(3)]
+    victim = others[-1]
+    await victim.read_until(r"^step (1\d|[2-9]\d)\b", timeout=150)
+    ports = [port] + [await p.port() for p in others]
+    await until_settled(ports)  # "any one peer" at steady state: every hand-off of the joins is done
+    victim.kill(signal.SIGKILL)
+    results = await asyncio.gather(*(p.finish(180) for p in [a, *others[:2]]))
+    for code, s in results:
+        assert code == 0 and s["steps"] == steps
+        assert s["table_stats"]["slots_lost"] == 0
+        assert s["val_loss"] < s["first_loss"]
+    assert sum(s["table_stats"]["slots_fetched"] for _, s in results) > 0  # the victim's slots moved
+
+
 async def test_sigterm_leaves_gracefully_and_exits_zero(spawn):
     a = spawn("--min-peers", "1")
     await a.port()

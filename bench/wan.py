@@ -1,0 +1,547 @@
+#!/usr/bin/env python3
+"""Slow-network benchmark: the swarm against torch DDP (gloo) on shaped links, in one run.
+
+Needs root (network namespaces and tc); without root it prints one line saying so and exits 0.
+
+N peers (default 4), each in its own network namespace, joined by veth pairs to a bridge in a hub
+namespace (10.77.0.0/24, addresses exist only inside these namespaces). Every peer's link is shaped
+with `tc tbf` to --rate in both directions (its veth egress = upload, the hub side = download).
+There is no netem in this kernel, and the one-way delay option is NOT implemented (--delay-ms > 0
+is refused, not ignored).
+
+On the same model (SwarmLM, --table-rows rows per table), data (stdlib corpus), seed, per-peer batch
+and sample budget (--steps x --batch-size x N), one after another:
+  floor        compute only: one `peer.py` alone, no network (also N of them at once, each alone, which
+               is the same CPU contention as the N-peer runs on this machine)
+  swarm        `peer.py` x N, default codec (topk-int8, ratio 0.01)
+  swarm-dense  `peer.py` x N, --compression none (dense fp32 gradient payloads)
+  ddp-sparse   bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
+  ddp-dense    bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
+  Hivemind     not implemented (reported as null)
+
+What is measured (the same way for every method):
+  loss curve   each peer's training loss on the batch of each step, as a running mean over its last
+               10 steps (what `peer.py` prints every step with --progress-interval 0), averaged over
+               the peers at equal step; time of step k = when the LAST peer finished it. Every batch
+               is fresh (seen once, before its update), so this is an unbiased estimate of the loss on
+               the training distribution; the swarm has no periodic held-out evaluation.
+  val_loss     at the end of the budget, on the same val_batches (8 x batch, swarm.data.val_batches),
+               mean over peers.
+  time         wall time from the end of step 1 (every method has formed its group by then).
+  target       the loss every method reaches within the budget: max over methods of the final value
+               of the loss curve, + --margin (or --target).
+  bytes        total bytes each peer's network interface transmitted during the run (all traffic:
+               gradients, table rows, control, TCP/IP headers), mean over peers; the swarm's own
+               per-kind counters are reported too.
+  wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
+               the measured wait (fwd+bwd time beyond the same under no_sync).
+
+Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
+
+    sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 80 steps of 16 per peer
+    sudo python3 bench/wan.py --steps 10      # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
+METHODS = ("swarm", "swarm-dense", "ddp-sparse", "ddp-dense")
+
+# ----------------------------------------------------------------------------- pure parts (tested)
+
+_STEP_RE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+|nan|inf) ")
+
+
+def parse_peer_lines(lines: list[tuple[float, str]]) -> tuple[dict[int, tuple[float, float]], dict | None]:
+    """`peer.py` stdout with read timestamps -> ({step: (t, running-mean loss)}, summary JSON or None).
+
+    The summary is the last line if it is a JSON object; progress lines are `step N loss X ...`."""
+    points: dict[int, tuple[float, float]] = {}
+    for t, line in lines:
+        m = _STEP_RE.match(line)
+        if m:
+            loss = float(m.group(2))
+            if math.isfinite(loss):
+                points[int(m.group(1))] = (t, loss)
+    summary = None
+    for _, line in reversed(lines):
+        if line.strip():
+            try:
+                obj = json.loads(line)
+                summary = obj if isinstance(obj, dict) else None
+            except ValueError:
+                pass
+            break
+    return points, summary
+
+
+def parse_ddp_lines(lines: list[str]) -> tuple[dict[int, tuple[float, float]], dict | None, list[dict]]:
+    """bench/ddp_baseline.py stdout -> ({step: (t, running-mean loss)}, summary or None, raw step records)."""
+    steps, summary = [], None
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "step" in obj and "loss" in obj and "t" in obj:
+            steps.append(obj)
+        elif "val_loss" in obj:
+            summary = obj
+    steps.sort(key=lambda r: r["step"])
+    means = running_mean([r["loss"] for r in steps], WINDOW)
+    return {r["step"]: (r["t"], m) for r, m in zip(steps, means)}, summary, steps
+
+
+def running_mean(values: list[float], window: int = WINDOW) -> list[float]:
+    """Mean of the last `window` values at each position (fewer at the start), like peer.py's line."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def merge_curves(per_peer: list[dict[int, tuple[float, float]]]) -> list[tuple[int, float, float]]:
+    """Peers' {step: (t, loss)} -> [(step, t, loss)] over the steps every peer reported: t = the
+    latest peer's time (the step is done when all are), loss = mean over peers."""
+    if not per_peer:
+        return []
+    common = set(per_peer[0])
+    for p in per_peer[1:]:
+        common &= set(p)
+    return [(s, max(p[s][0] for p in per_peer), sum(p[s][1] for p in per_peer) / len(per_peer))
+            for s in sorted(common)]
+
+
+def time_to_target(curve: list[tuple[int, float, float]], target: float) -> tuple[float | None, int | None]:
+    """(seconds from the first point of the curve, step) at which loss first gets <= target; (None,
+    None) if never."""
+    if not curve:
+        return None, None
+    t0 = curve[0][1]
+    for step, t, loss in curve:
+        if loss <= target:
+            return t - t0, step
+    return None, None
+
+
+def step_time(curve: list[tuple[int, float, float]]) -> float | None:
+    """Mean seconds per step between the first and the last point of a curve."""
+    if len(curve) < 2 or curve[-1][0] == curve[0][0]:
+        return None
+    return (curve[-1][1] - curve[0][1]) / (curve[-1][0] - curve[0][0])
+
+
+def pick_target(curves: dict[str, list[tuple[int, float, float]]], margin: float) -> float | None:
+    """A loss every method reaches: the worst final loss among the curves, plus `margin`."""
+    finals = [c[-1][2] for c in curves.values() if c]
+    return max(finals) + margin if finals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: float | None,
+              target: float | None) -> dict:
+    """The final JSON line from per-method results ({"curve", "bytes_per_peer", ...})."""
+    ttt = {m: r.get("time_to_target_s") for m, r in runs.items()}
+    sw = runs.get("swarm", {})
+    out = {
+        "target_loss": None if target is None else round(target, 4),
+        "time_to_target_s": {m: None if v is None else round(v, 2) for m, v in ttt.items()},
+        "speedup_vs_ddp_time_to_loss": ratio(ttt.get("ddp-dense"), ttt.get("swarm")),
+        "speedup_vs_sparse_ddp_time_to_loss": ratio(ttt.get("ddp-sparse"), ttt.get("swarm")),
+        "speedup_vs_hivemind_time_to_loss": ratio(ttt.get("hivemind"), ttt.get("swarm")),
+        "speedup_vs_dense_swarm_time_to_loss": ratio(ttt.get("swarm-dense"), ttt.get("swarm")),
+        "bytes_ratio_vs_ddp": ratio(runs.get("ddp-dense", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
+        "bytes_ratio_vs_sparse_ddp": ratio(runs.get("ddp-sparse", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
+        "step_time_over_compute_floor": ratio(sw.get("step_time_s"), floor_contended),
+        "step_time_over_solo_compute_floor": ratio(sw.get("step_time_s"), floor_solo),
+        "compute_floor_step_s": None if floor_contended is None else round(floor_contended, 4),
+        "solo_compute_floor_step_s": None if floor_solo is None else round(floor_solo, 4),
+        "step_time_s": {m: None if r.get("step_time_s") is None else round(r["step_time_s"], 4)
+                        for m, r in runs.items()},
+        "bytes_per_peer": {m: r.get("bytes_per_peer") for m, r in runs.items()},
+        "val_loss": {m: None if r.get("val_loss") is None else round(r["val_loss"], 4) for m, r in runs.items()},
+        "network_wait_share": {m: r.get("wait_share") for m, r in runs.items()},
+    }
+    return out
+
+
+def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
+    if step_s is None or floor_s is None or step_s <= 0:
+        return None
+    return round(max(0.0, 1.0 - floor_s / step_s), 3)
+
+
+def root_check() -> str | None:
+    """None when we can make namespaces, otherwise the one line to print before exiting 0."""
+    if os.geteuid() != 0:
+        return "bench/wan.py needs root (network namespaces and tc); skipped."
+    return None
+
+
+# ----------------------------------------------------------------------------- processes
+
+_PROCS: list[subprocess.Popen] = []
+
+
+class Proc:
+    """A child process (in its own session/process group) whose stdout lines are timestamped."""
+
+    def __init__(self, argv: list[str], env: dict | None = None, log: Path | None = None):
+        self.p = subprocess.Popen(argv, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                  stderr=open(log, "w") if log else subprocess.DEVNULL,
+                                  env={**os.environ, **(env or {})}, start_new_session=True)
+        _PROCS.append(self.p)
+        self.lines: list[tuple[float, str]] = []
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill(self.p)
+            code = -9
+        self.t.join(5)
+        return code
+
+    def has(self, pattern: str) -> bool:
+        return any(pattern in line for _, line in list(self.lines))
+
+
+def kill(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_all() -> None:
+    for p in _PROCS:
+        kill(p)
+
+
+# ----------------------------------------------------------------------------- network namespaces
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r.stdout
+
+
+class Wan:
+    """Hub namespace with a bridge; one namespace per peer with `wan0` = 10.77.0.(i+1)/24, shaped."""
+
+    def __init__(self, n: int, rate: str, tag: str):
+        self.n, self.rate, self.tag = n, rate, tag
+        self.hub = f"{tag}-hub"
+        self.ns = [f"{tag}-p{i}" for i in range(n)]
+
+    def ip(self, i: int) -> str:
+        return f"10.77.0.{i + 1}"
+
+    def up(self) -> None:
+        sh("ip", "netns", "add", self.hub)
+        sh("ip", "-n", self.hub, "link", "set", "lo", "up")
+        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.ns):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", self.hub, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "wan0", "netns", ns)
+            sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "master", "br0")
+            sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "wan0")
+            sh("ip", "-n", ns, "link", "set", "wan0", "up")
+            for where, dev in ((ns, "wan0"), (self.hub, f"vp{i}")):  # upload, download
+                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                   "rate", self.rate, "burst", "64kb", "latency", "50ms")
+
+    def down(self) -> None:
+        for ns in [*self.ns, self.hub]:
+            sh("ip", "netns", "del", ns, check=False)
+
+    def exec(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[i]]
+
+    def tx_bytes(self, i: int) -> int:
+        return int(sh(*self.exec(i), "cat", "/sys/class/net/wan0/statistics/tx_bytes").strip())
+
+
+def stale_namespaces() -> list[str]:
+    """Namespaces left by an earlier run of this benchmark whose process is gone."""
+    out = []
+    for line in sh("ip", "netns", "list", check=False).splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.match(r"^swwan(\d+)-", name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            out.append(name)
+    return out
+
+
+# ----------------------------------------------------------------------------- the runs
+
+PY = [sys.executable]
+
+
+def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> list[str]:
+    return [*PY, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(steps),
+            "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
+            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *extra]
+
+
+def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
+    """k single peers at once, each alone in its namespace on its loopback: compute only."""
+    procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, [])], log=log / f"floor{k}-p{i}.err")
+             for i in range(k)]
+    curves, vals = [], []
+    for p in procs:
+        p.wait(a.run_timeout)
+        pts, summ = parse_peer_lines(p.lines)
+        curves.append(merge_curves([pts]))
+        vals.append(summ.get("val_loss") if summ else None)
+    steps = [st for c in curves if (st := step_time(c)) is not None]
+    return {"step_time_s": sum(steps) / len(steps) if steps else None, "curve": curves[0] if curves else [],
+            "val_loss": _mean([v for v in vals if v is not None])}
+
+
+def run_swarm(wan: Wan, a, compression: str, log: Path) -> dict:
+    name = "swarm" if compression != "none" else "swarm-dense"
+    tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
+    extra = ["--min-peers", str(wan.n), "--compression", compression]
+    port = 7100
+    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, a.steps, extra)], log=log / f"{name}-p0.err")]
+    deadline = time.time() + 60
+    while not procs[0].has("listening on") and time.time() < deadline and procs[0].p.poll() is None:
+        time.sleep(0.1)
+    for i in range(1, wan.n):
+        procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, a.steps,
+                                                     [*extra, "--join", f"{wan.ip(0)}:{port}"])],
+                          log=log / f"{name}-p{i}.err"))
+    codes = [p.wait(a.run_timeout) for p in procs]
+    tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
+    parsed = [parse_peer_lines(p.lines) for p in procs]
+    curve = merge_curves([pts for pts, _ in parsed])
+    summaries = [s for _, s in parsed if s]
+    app = [s.get("bytes_sent", 0) + s.get("control_bytes_sent", 0) + s.get("row_bytes_sent", 0) for s in summaries]
+    return {"curve": curve, "exit_codes": codes, "tx_bytes": tx, "bytes_per_peer": int(_mean(tx)),
+            "app_bytes_per_peer": int(_mean(app)) if app else None,
+            "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
+            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
+            "val_loss": _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None]),
+            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
+            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries]}
+
+
+def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
+    name = f"ddp-{tables}"
+    tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
+    procs = []
+    for i in range(wan.n):
+        argv = [*wan.exec(i), *PY, str(ROOT / "bench" / "ddp_baseline.py"), "--rank", str(i), "--world", str(wan.n),
+                "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(a.steps),
+                "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
+                "--peer-id", f"p{i}", "--threads", "1"]
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-p{i}.err"))
+    codes = [p.wait(a.run_timeout) for p in procs]
+    tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
+    parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
+    curve = merge_curves([pts for pts, _, _ in parsed])
+    summaries = [s for _, s, _ in parsed if s]
+    measured_wait = [s["comm_s"] / (s["compute_s"] + s["comm_s"]) for s in summaries
+                     if s.get("compute_s", 0) + s.get("comm_s", 0) > 0]
+    return {"curve": curve, "exit_codes": codes, "tx_bytes": tx, "bytes_per_peer": int(_mean(tx)),
+            "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
+            "steps": curve[-1][0] if curve else 0,
+            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def plot(runs: dict[str, dict], floor: dict, target: float | None, a, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "floor": "0.5"}
+    per_step = a.batch_size * a.peers
+    for name, r in [*runs.items(), ("floor", floor)]:
+        c = r.get("curve") or []
+        if not c:
+            continue
+        t0 = c[0][1]
+        label = name if name != "floor" else "compute floor (1 peer, no network; samples x1)"
+        mult = per_step if name != "floor" else a.batch_size
+        ax1.plot([t - t0 for _, t, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
+        ax2.plot([s * mult for s, _, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
+        if r.get("val_loss") is not None and name != "floor":
+            ax1.plot([c[-1][1] - t0], [r["val_loss"]], "x", color=colors.get(name))
+            ax2.plot([c[-1][0] * mult], [r["val_loss"]], "x", color=colors.get(name))
+    for ax in (ax1, ax2):
+        if target is not None:
+            ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f}")
+        ax.set_ylabel("train loss (10-step running mean); x = final val_loss")
+        ax.grid(alpha=0.3)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("wall time since step 1 [s] (log)")
+    ax2.set_xlabel("samples (sequences of 128 bytes, all peers)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{a.peers} peers, links shaped to {a.rate} (tbf), batch {a.batch_size}/peer, "
+                 f"{a.steps} steps, table rows {a.table_rows}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def table(runs: dict[str, dict], floor: dict, solo: dict, target: float | None, a) -> str:
+    per_step = a.batch_size * a.peers
+    rows = ["| method | s/step | x floor | wait share | time to target [s] | step | final loss | val_loss "
+            "| MB sent/peer | MB/step/peer |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in runs.items():
+        c = r.get("curve") or []
+        st = r.get("step_time_s")
+        mb = r.get("bytes_per_peer", 0) / 1e6
+        ws = r.get("wait_share")
+        if r.get("measured_wait_share") is not None:
+            ws = f"{ws} ({r['measured_wait_share']} measured)"
+        rows.append(f"| {name} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} | {ws} "
+                    f"| {_f(r.get('time_to_target_s'), 1)} | {r.get('target_step')} | {_f(c[-1][2] if c else None, 3)} "
+                    f"| {_f(r.get('val_loss'), 3)} | {mb:.1f} | {mb / max(1, r.get('steps') or 1):.2f} |")
+    rows.append(f"| floor, {a.peers} alone at once | {_f(floor.get('step_time_s'), 3)} | 1.00 | 0 | | | "
+                f"{_f(floor['curve'][-1][2] if floor.get('curve') else None, 3)} | {_f(floor.get('val_loss'), 3)} | 0 | 0 |")
+    rows.append(f"| floor, 1 alone | {_f(solo.get('step_time_s'), 3)} | | 0 | | | "
+                f"{_f(solo['curve'][-1][2] if solo.get('curve') else None, 3)} | {_f(solo.get('val_loss'), 3)} | 0 | 0 |")
+    return "\n".join(rows) + f"\n\ntarget loss {_f(target, 4)}; samples per step {per_step}"
+
+
+def _f(v, d: int) -> str:
+    return "-" if v is None else f"{v:.{d}f}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo on shaped links (needs root)")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--rate", default="80mbit", help="tbf rate of every link, each direction (default 80mbit ~ 10 MB/s)")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--table-rows", type=int, default=32768)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--margin", type=float, default=0.01, help="added to the worst final loss to make the target")
+    ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
+    ap.add_argument("--only", action="append", choices=METHODS, help="run only these methods (repeatable)")
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one method may take")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
+    ap.add_argument("--log-dir", default="/tmp/swarm-wan-logs")
+    a = ap.parse_args()
+
+    msg = root_check()
+    if msg:
+        print(msg)
+        return 0
+    if a.delay_ms > 0:
+        print("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    for ns in stale_namespaces():
+        sh("ip", "netns", "del", ns, check=False)
+    log = Path(a.log_dir)
+    log.mkdir(parents=True, exist_ok=True)
+    wan = Wan(a.peers, a.rate, f"swwan{os.getpid()}")
+    methods = a.only or list(METHODS)
+    t_start = time.time()
+    runs: dict[str, dict] = {}
+    try:
+        wan.up()
+        print(f"namespaces up: {a.peers} peers, tbf {a.rate} each way; steps {a.steps}, batch {a.batch_size}/peer, "
+              f"table rows {a.table_rows}", flush=True)
+        solo = run_floor(wan, a, 1, log)
+        print(f"floor, 1 peer alone: {_f(solo['step_time_s'], 3)} s/step", flush=True)
+        floor = run_floor(wan, a, a.peers, log)
+        print(f"floor, {a.peers} peers alone at once: {_f(floor['step_time_s'], 3)} s/step", flush=True)
+        for m in methods:
+            t0 = time.time()
+            if m.startswith("swarm"):
+                runs[m] = run_swarm(wan, a, "topk-int8" if m == "swarm" else "none", log)
+            else:
+                runs[m] = run_ddp(wan, a, m.split("-")[1], log)
+            r = runs[m]
+            print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer, "
+                  f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        kill_all()
+        wan.down()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    target = a.target if a.target is not None else pick_target({m: r["curve"] for m, r in runs.items()}, a.margin)
+    for r in runs.values():
+        r["time_to_target_s"], r["target_step"] = time_to_target(r["curve"], target) if target is not None else (None, None)
+        r["wait_share"] = wait_share(r["step_time_s"], floor["step_time_s"])
+    runs_hm = dict(runs)
+    result = summarize(runs_hm, floor["step_time_s"], solo["step_time_s"], target)
+    result["hivemind"] = "not implemented"
+    result["seconds"] = round(time.time() - t_start, 1)
+    print(table(runs, floor, solo, target, a))
+    doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "runs": runs}
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    try:
+        plot(runs, floor, target, a, Path(a.plot))
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
