@@ -15,7 +15,7 @@ Reported per transport: rows/s (all ranks' rows over the wall time of the rounds
 latency of one rank's pull. The LAST stdout line is one JSON object with http_rows_per_s,
 gloo_rows_per_s, pull_p50_ms, pull_p99_ms (HTTP), gloo_p50_ms, gloo_p99_ms and their ratio.
 
-    python3 bench/rows.py                 # 4 processes, 4096 rows per table per pull, 30 rounds
+    python3 bench/rows.py                 # 4 processes, 4096 rows per table per pull, 30 rounds, ABBA x2
     python3 bench/rows.py --peers 3 --rows 2048 --rounds 20
 """
 
@@ -58,7 +58,12 @@ def http_worker(rank: int, args, ports: list[int], out: mp.Queue, go: mp.Event) 
     from swarm.config import PeerConfig
     from swarm.node import Peer
 
-    async def main() -> None:
+    async def median_run(rs: list[dict]) -> dict:
+    """Per field, the median over the repeats."""
+    return {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
+
+
+def main() -> None:
         join = "" if rank == 0 else f"127.0.0.1:{ports[0]}"
         cfg = PeerConfig(port=ports[rank], join=join, table_rows=args.table_rows, table_slots=args.slots,
                          replicas=args.replicas, row_dtype=args.dtype, threads=1, batch_size=4, eval_batches=1)
@@ -183,6 +188,11 @@ def summarize(results: list) -> dict:
             "remote_share": float(np.mean([r[5] for r in results]))}
 
 
+def median_run(rs: list[dict]) -> dict:
+    """Per field, the median over the repeats."""
+    return {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", type=int, default=4)
@@ -193,10 +203,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="ABBA repeats (gloo, http, http, gloo, ...): this machine is shared and noisy")
     args = ap.parse_args()
-    gloo = run_gloo(args)
-    http = run_http(args)
-    print(f"{args.peers} processes, {args.rows} rows x 2 tables per pull, {args.dtype}, {args.rounds} rounds")
+    runs: dict[str, list[dict]] = {"gloo": [], "http": []}
+    order = []
+    for r in range(args.repeats):
+        order += ["gloo", "http"] if r % 2 == 0 else ["http", "gloo"]
+    for name in order:
+        runs[name].append((run_gloo if name == "gloo" else run_http)(args))
+        print(f"  {name}: {runs[name][-1]['rows_per_s']:.0f} rows/s, p50 {runs[name][-1]['p50_ms']:.1f} ms", flush=True)
+    http, gloo = median_run(runs["http"]), median_run(runs["gloo"])
+    print(f"{args.peers} processes, {args.rows} rows x 2 tables per pull, {args.dtype}, {args.rounds} rounds, "
+          f"median of {args.repeats}")
     print(f"{'transport':10} {'rows/s':>12} {'p50 ms':>9} {'p99 ms':>9}")
     for name, r in (("http", http), ("gloo", gloo)):
         print(f"{name:10} {r['rows_per_s']:12.0f} {r['p50_ms']:9.2f} {r['p99_ms']:9.2f}")
@@ -204,6 +223,7 @@ def main() -> None:
         "peers": args.peers, "rows_per_pull": 2 * args.rows, "dtype": args.dtype,
         "http_rows_per_s": round(http["rows_per_s"]), "gloo_rows_per_s": round(gloo["rows_per_s"]),
         "http_over_gloo": round(http["rows_per_s"] / gloo["rows_per_s"], 3),
+        "http_over_gloo_each": [round(h["rows_per_s"] / g["rows_per_s"], 3) for h, g in zip(runs["http"], runs["gloo"])],
         "pull_p50_ms": round(http["p50_ms"], 2), "pull_p99_ms": round(http["p99_ms"], 2),
         "gloo_p50_ms": round(gloo["p50_ms"], 2), "gloo_p99_ms": round(gloo["p99_ms"], 2),
         "http_remote_row_share": round(http["remote_share"], 3),
