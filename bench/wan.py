@@ -173,6 +173,8 @@ def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: 
         "speedup_vs_hivemind_time_to_loss": ratio(ttt.get("hivemind"), ttt.get("swarm")),
         "speedup_vs_dense_swarm_time_to_loss": ratio(ttt.get("swarm-dense"), ttt.get("swarm")),
         "bytes_ratio_vs_ddp": ratio(runs.get("ddp-dense", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
+        "bytes_ratio_vs_ddp_whole_run": ratio(runs.get("ddp-dense", {}).get("run_bytes_per_peer"),
+                                              sw.get("run_bytes_per_peer")),
         "bytes_ratio_vs_sparse_ddp": ratio(runs.get("ddp-sparse", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
         "step_time_over_compute_floor": ratio(sw.get("step_time_s"), floor_contended),
         "step_time_over_solo_compute_floor": ratio(sw.get("step_time_s"), floor_solo),
@@ -303,6 +305,58 @@ class Wan:
         return int(sh(*self.exec(i), "cat", "/sys/class/net/wan0/statistics/tx_bytes").strip())
 
 
+def proc_tx_bytes(pid: int, dev: str = "wan0") -> int | None:
+    """Bytes `dev` transmitted, read from /proc/PID/net/dev (the network namespace of process PID)."""
+    try:
+        for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == dev:
+                return int(rest.split()[8])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class TxSampler:
+    """Samples each process's interface tx counter every `period` s: [(t, [bytes per peer])]."""
+
+    def __init__(self, pids: list[int], period: float = 0.25):
+        self.pids, self.period = pids, period
+        self.samples: list[tuple[float, list[int | None]]] = []
+        self._stop = threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), [proc_tx_bytes(p) for p in self.pids]))
+            self._stop.wait(self.period)
+
+    def stop(self) -> list[tuple[float, list[int | None]]]:
+        self._stop.set()
+        self.t.join(2)
+        return self.samples
+
+
+def bytes_between(samples: list[tuple[float, list[int | None]]], t0: float, t1: float) -> list[int] | None:
+    """Per-peer counter increase between the samples nearest to t0 and t1 (linear interpolation)."""
+    def at(t: float) -> list[float] | None:
+        ok = [(ts, v) for ts, v in samples if all(x is not None for x in v)]
+        if not ok:
+            return None
+        if t <= ok[0][0]:
+            return [float(x) for x in ok[0][1]]
+        for (ta, va), (tb, vb) in zip(ok, ok[1:]):
+            if ta <= t <= tb:
+                w = (t - ta) / (tb - ta) if tb > ta else 0.0
+                return [x + w * (y - x) for x, y in zip(va, vb)]
+        return [float(x) for x in ok[-1][1]]
+    a, b = at(t0), at(t1)
+    if a is None or b is None:
+        return None
+    return [int(round(y - x)) for x, y in zip(a, b)]
+
+
 def stale_namespaces() -> list[str]:
     """Namespaces left by an earlier run of this benchmark whose process is gone."""
     out = []
@@ -353,13 +407,15 @@ def run_swarm(wan: Wan, a, compression: str, log: Path) -> dict:
         procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, a.steps,
                                                      [*extra, "--join", f"{wan.ip(0)}:{port}"])],
                           log=log / f"{name}-p{i}.err"))
+    sampler = TxSampler([p.p.pid for p in procs])
     codes = [p.wait(a.run_timeout) for p in procs]
+    samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_peer_lines(p.lines) for p in procs]
     curve = merge_curves([pts for pts, _ in parsed])
     summaries = [s for _, s in parsed if s]
     app = [s.get("bytes_sent", 0) + s.get("control_bytes_sent", 0) + s.get("row_bytes_sent", 0) for s in summaries]
-    return {"curve": curve, "exit_codes": codes, "tx_bytes": tx, "bytes_per_peer": int(_mean(tx)),
+    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
             "app_bytes_per_peer": int(_mean(app)) if app else None,
             "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
             "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
@@ -378,17 +434,33 @@ def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1"]
         procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-p{i}.err"))
+    sampler = TxSampler([p.p.pid for p in procs])
     codes = [p.wait(a.run_timeout) for p in procs]
+    samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
     curve = merge_curves([pts for pts, _, _ in parsed])
     summaries = [s for _, s, _ in parsed if s]
     measured_wait = [s["comm_s"] / (s["compute_s"] + s["comm_s"]) for s in summaries
                      if s.get("compute_s", 0) + s.get("comm_s", 0) > 0]
-    return {"curve": curve, "exit_codes": codes, "tx_bytes": tx, "bytes_per_peer": int(_mean(tx)),
+    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
             "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
             "steps": curve[-1][0] if curve else 0,
             "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}
+
+
+def traffic(tx: list[int], samples, curve) -> dict:
+    """Whole-run bytes per peer (interface counters) and the same over the training window only
+    (end of step 1 to end of the last step), per step and extrapolated to the whole budget."""
+    out = {"tx_bytes_run": tx, "run_bytes_per_peer": int(_mean(tx))}
+    win = bytes_between(samples, curve[0][1], curve[-1][1]) if len(curve) >= 2 else None
+    if win is not None:
+        per_step = _mean(win) / (curve[-1][0] - curve[0][0])
+        out.update(tx_bytes_train_window=win, bytes_per_step_per_peer=int(per_step),
+                   bytes_per_peer=int(per_step * curve[-1][0]))
+    else:
+        out.update(bytes_per_step_per_peer=None, bytes_per_peer=int(_mean(tx)))
+    return out
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -436,21 +508,23 @@ def plot(runs: dict[str, dict], floor: dict, target: float | None, a, path: Path
 def table(runs: dict[str, dict], floor: dict, solo: dict, target: float | None, a) -> str:
     per_step = a.batch_size * a.peers
     rows = ["| method | s/step | x floor | wait share | time to target [s] | step | final loss | val_loss "
-            "| MB sent/peer | MB/step/peer |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| MB sent/peer, training | MB sent/peer, whole run | MB/step/peer |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in runs.items():
         c = r.get("curve") or []
         st = r.get("step_time_s")
         mb = r.get("bytes_per_peer", 0) / 1e6
+        mb_run = r.get("run_bytes_per_peer", 0) / 1e6
         ws = r.get("wait_share")
         if r.get("measured_wait_share") is not None:
             ws = f"{ws} ({r['measured_wait_share']} measured)"
         rows.append(f"| {name} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} | {ws} "
                     f"| {_f(r.get('time_to_target_s'), 1)} | {r.get('target_step')} | {_f(c[-1][2] if c else None, 3)} "
-                    f"| {_f(r.get('val_loss'), 3)} | {mb:.1f} | {mb / max(1, r.get('steps') or 1):.2f} |")
+                    f"| {_f(r.get('val_loss'), 3)} | {mb:.1f} | {mb_run:.1f} | {(r.get('bytes_per_step_per_peer') or 0) / 1e6:.3f} |")
     rows.append(f"| floor, {a.peers} alone at once | {_f(floor.get('step_time_s'), 3)} | 1.00 | 0 | | | "
-                f"{_f(floor['curve'][-1][2] if floor.get('curve') else None, 3)} | {_f(floor.get('val_loss'), 3)} | 0 | 0 |")
+                f"{_f(floor['curve'][-1][2] if floor.get('curve') else None, 3)} | {_f(floor.get('val_loss'), 3)} | 0 | 0 | 0 |")
     rows.append(f"| floor, 1 alone | {_f(solo.get('step_time_s'), 3)} | | 0 | | | "
-                f"{_f(solo['curve'][-1][2] if solo.get('curve') else None, 3)} | {_f(solo.get('val_loss'), 3)} | 0 | 0 |")
+                f"{_f(solo['curve'][-1][2] if solo.get('curve') else None, 3)} | {_f(solo.get('val_loss'), 3)} | 0 | 0 | 0 |")
     return "\n".join(rows) + f"\n\ntarget loss {_f(target, 4)}; samples per step {per_step}"
 
 
@@ -514,7 +588,8 @@ def main() -> int:
             else:
                 runs[m] = run_ddp(wan, a, m.split("-")[1], log)
             r = runs[m]
-            print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer, "
+            print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer in training "
+                  f"({r['run_bytes_per_peer'] / 1e6:.1f} MB whole run), "
                   f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
