@@ -38,7 +38,7 @@ What is measured (the same way for every method):
 
 Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
 
-    sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 80 steps of 16 per peer
+    sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 60 steps of 16 per peer (~13 min)
     sudo python3 bench/wan.py --steps 10      # quick look
 """
 from __future__ import annotations
@@ -540,7 +540,7 @@ def main() -> int:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--rate", default="80mbit", help="tbf rate of every link, each direction (default 80mbit ~ 10 MB/s)")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0)

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-staleness", type=int, help=f"late payloads older than this many steps are dropped (default {d.max_staleness})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")
     a("--eval-batches", type=int, help=f"held-out batches evaluated at the end (default {d.eval_batches})")
+    a("--checkpoint", help="directory for periodic, atomic checkpoints; a peer started on it resumes from it")
+    a("--checkpoint-every", type=float, help=f"seconds between checkpoints (default {d.checkpoint_every})")
     a("--progress-interval", type=float, help=f"seconds between progress lines (default {d.progress_interval})")
     a("--peer-id", help="this peer's id (default: random)")
     a("-v", "--verbose", action="store_true", help="log membership and round events to stderr")

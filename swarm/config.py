@@ -56,6 +56,9 @@ class PeerConfig:
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
     max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
     sync_timeout: float = 10.0  # a joiner waits at most this long for gradient traffic before syncing
+    # checkpoints
+    checkpoint: str = ""  # directory; empty = no checkpoints
+    checkpoint_every: float = 60.0  # seconds between checkpoints while training
     # output
     progress_interval: float = 3.0
     peer_id: str = ""  # empty = random
@@ -90,6 +93,10 @@ class PeerConfig:
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")
+        need(self.checkpoint_every > 0, f"--checkpoint-every must be > 0, got {self.checkpoint_every}")
+        if self.checkpoint:
+            need(not os.path.exists(self.checkpoint) or os.path.isdir(self.checkpoint),
+                 f"--checkpoint {self.checkpoint!r} exists and is not a directory")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
         need(self.status_auth in (0, 1), f"--status-auth must be 0 or 1, got {self.status_auth}")
         need(not self.status_auth or bool(self.secret), "--status-auth 1 needs a --secret")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import gossip
+from . import checkpoint, gossip
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import PeerConfig, parse_hostport
 from .data import load_corpus
@@ -78,6 +78,7 @@ class Peer:
         self.tables: TableService | None = None
         self.table_client: TableClient | None = None
         self._pushes: collections.deque[asyncio.Task] = collections.deque()
+        self._last_checkpoint = time.monotonic()
         self._arrival = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -154,10 +155,52 @@ class Peer:
                      f"--secret {self.cfg.secret}")
         if self.status_token:
             self.out(f"status page: {self.addr}/?token={self.status_token}")
+        resume = await self._read_checkpoint()
         if self.cfg.join:
             await self._join()
+        if resume is not None:
+            await self._resume(resume)
         await self._update_map()
         self._spawn(self._membership_loop())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    async def _read_checkpoint(self) -> "checkpoint.Checkpoint | None":
+        """Read --checkpoint (if any) and hold its table slots as candidates for the hand-offs."""
+        if not self.cfg.checkpoint:
+            return None
+        ck = await asyncio.to_thread(checkpoint.load, self.cfg.checkpoint, self.table_layout())
+        if ck is not None:
+            try:
+                n = await self.table_work(self.tables.install_checkpoint, ck.tables)
+            except ValueError as e:
+                raise checkpoint.CheckpointError(f"{self.cfg.checkpoint}: {e}") from None
+            self._event("checkpoint", f"read step {ck.step} with {n} table slots from {self.cfg.checkpoint}")
+        return ck
+
+    async def _resume(self, ck: "checkpoint.Checkpoint") -> None:
+        """Resume the dense replica from the checkpoint, unless the swarm we joined is already
+        training: its state is newer, and we sync it like any joiner."""
+        if self.started:
+            self._event("checkpoint", "the swarm is training: its state is newer than our checkpoint")
+            return
+        try:
+            step = await self.work(self.trainer.load_state_blob, ck.dense, self.corpus_hash)
+            self.compressor.load_state_dict(ck.residual)
+        except (ValueError, KeyError) as e:
+            raise checkpoint.CheckpointError(f"{self.cfg.checkpoint}: {e}") from None
+        self.book.reset(step)
+        self.members.set_meta(step=step)
+        self._event("resumed", f"dense state of step {step} from {self.cfg.checkpoint}")
+
+    async def save_checkpoint(self) -> None:
+        """Write a checkpoint: dense state on the training thread, table slots on the table thread,
+        the files from a helper thread (each atomic)."""
+        dense = await self.work(self.trainer.state_blob, self.corpus_hash)
+        residual = await self.work(self.compressor.state_dict)
+        tables = await self.table_work(checkpoint.tables_blob, self.tables.shards, self.table_layout())
+        await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint, dense=dense, residual=residual,
+                                tables=tables, step=self.trainer.step, layout=self.table_layout(), peer_id=self.id)
+        self._last_checkpoint = time.monotonic()
 
     async def _join(self) -> None:
         host, port = parse_hostport(self.cfg.join, what="--join")
@@ -367,6 +410,8 @@ class Peer:
             if self.trainer.step > 0 or self.cfg.steps:
                 self.progress.val_loss = await self.evaluate()
             sketch = self.last_sketch = await self.work(self.trainer.sketch)
+            if self.cfg.checkpoint and self.trainer.step > 0:
+                await self.save_checkpoint()
             if self.cfg.steps and not self._stop.is_set():
                 await self._linger()
         finally:
@@ -495,6 +540,8 @@ class Peer:
             self.timeline.record_step(self, step, stats.loss)  # also shares loss and tok/s as meta
             if self.book.step % 10 == 0:
                 self.last_sketch = await self.work(self.trainer.sketch)
+            if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
+                await self.save_checkpoint()
             self.last_stats = {"k": enc.k, "mode": enc.mode, "contributors": len(result.on_time),
                                "late": len(result.late)}
             if time.monotonic() - last_print >= self.cfg.progress_interval:

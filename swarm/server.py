@@ -143,7 +143,9 @@ async def join(request: web.Request) -> web.Response:
     if not isinstance(msg.get("membership"), dict):
         raise BadRequest("join message lacks its membership part")
     reply = peer.members.handle_join(msg["membership"], time.monotonic())
-    return msgpack_response({"membership": reply, "step": peer.book.step, "started": peer.started})
+    return msgpack_response({"membership": reply, "step": peer.book.step,
+                             # a peer resumed from a checkpoint has state a joiner must sync, even before it trains
+                             "started": peer.started or peer.book.step > 0})
 
 
 async def ping(request: web.Request) -> web.Response:
@@ -205,7 +207,7 @@ async def grads(request: web.Request) -> web.Response:
 async def state(request: web.Request) -> web.StreamResponse:
     """Dense parameters and optimizer state, streamed as one safetensors blob."""
     peer = _peer(request)
-    if not peer.started or not peer.active:
+    if not (peer.started and peer.active) and peer.book.step == 0:
         raise BadRequest("this peer has no state to give yet (not training)", 503)
     blob = await peer.work(peer.trainer.state_blob, peer.corpus_hash)
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",

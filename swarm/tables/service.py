@@ -313,6 +313,18 @@ class TableService:
             raise ValueError(f"slot {slot} out of range for {table!r}")
         return slot * spec.rows // n, (slot + 1) * spec.rows // n
 
+    def install_checkpoint(self, slots: dict[str, dict[int, dict[str, torch.Tensor]]]) -> int:
+        """Hold the slots of a checkpoint (before the first map). A copy is only a candidate: at
+        hand-off the newest copy of a slot wins, so an old checkpoint never overwrites newer rows."""
+        n = 0
+        for name, by_slot in slots.items():
+            if name not in self.shards:
+                raise ShardError(f"checkpoint holds unknown table {name!r}")
+            for slot, tensors in by_slot.items():
+                self.shards[name].import_slot(slot, tensors)
+                n += 1
+        return n
+
     # -- reporting ----------------------------------------------------------------------------
     def status(self) -> dict:
         m = self.map
