@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
     a("--max-staleness", type=int, help=f"late payloads older than this many steps are dropped (default {d.max_staleness})")
+    a("--aggregation", help="how a round's payloads are combined: mean, trimmed (coordinate-wise trimmed mean) "
+                            f"or centered-clip (default {d.aggregation}; robust rules need >= 3 contributors)")
+    a("--trim", type=float, help=f"trimmed: fraction of contributors cut from each end per coordinate (default {d.trim})")
+    a("--msg-clip", type=float, help="clip each received payload to this x the round's median payload norm; "
+                                     f"0 = off (default {d.msg_clip})")
+    a("--ban-seconds", type=float, help="refuse the payloads of a peer whose score fell too low (outliers, "
+                                        f"invalid payloads) this long (default {d.ban_seconds})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")
     a("--eval-batches", type=int, help=f"held-out batches evaluated at the end (default {d.eval_batches})")
     a("--checkpoint", help="directory for periodic, atomic checkpoints; a peer started on it resumes from it")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4")
+AGGREGATION_RULES = ("mean", "trimmed", "centered-clip")  # swarm/robust.py RULES
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,11 @@ class PeerConfig:
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
     max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
     sync_timeout: float = 10.0  # a joiner waits at most this long for gradient traffic before syncing
+    # robust aggregation (docs/design.md, "Robust aggregation")
+    aggregation: str = "centered-clip"  # mean, trimmed or centered-clip (robust rules need >= 3 contributors)
+    trim: float = 0.2  # trimmed: fraction of contributors cut from each end, per coordinate
+    msg_clip: float = 2.0  # clip each payload to this x the round's median payload norm; 0 = off
+    ban_seconds: float = 60.0  # a peer whose score falls too low is refused this long
     # checkpoints
     checkpoint: str = ""  # directory; empty = no checkpoints
     checkpoint_every: float = 60.0  # seconds between checkpoints while training
@@ -92,6 +98,12 @@ class PeerConfig:
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(self.aggregation in AGGREGATION_RULES,
+             f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
+        need(0 <= self.trim < 0.5, f"--trim must be in [0, 0.5), got {self.trim}")
+        need(self.msg_clip == 0 or 1 <= self.msg_clip < float("inf"),
+             f"--msg-clip must be 0 (off) or >= 1 (x the round's median norm), got {self.msg_clip}")
+        need(0 <= self.ban_seconds < float("inf"), f"--ban-seconds must be >= 0, got {self.ban_seconds}")
         need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")
         need(self.checkpoint_every > 0, f"--checkpoint-every must be > 0, got {self.checkpoint_every}")
         if self.checkpoint:

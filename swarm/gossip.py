@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from . import robust
+
 
 class Contribution(Protocol):
     """What the round book needs of a decoded payload (swarm.codec.Decoded fits)."""
@@ -42,6 +44,11 @@ class RoundResult:
     @property
     def contributors(self) -> list[str]:
         return [c.sender for c in self.on_time]
+
+    @property
+    def contributions(self) -> list[Contribution]:
+        """Every payload of the round in sum order: on-time by sender, then late by (sender, step)."""
+        return self.on_time + self.late
 
     def divisor(self) -> int:
         return max(1, len(self.on_time))
@@ -159,14 +166,16 @@ class RoundBook:
         self.last_step_from.pop(peer_id, None)
 
 
-def aggregate_into(out, result: RoundResult) -> int:
-    """out (zeroed fp32 [n]) <- mean of the round's contributions; late ones join with the same weight.
+def aggregate_into(out, result: RoundResult, cfg: robust.RobustConfig | None = None) -> int:
+    """out (zeroed fp32 [n]) <- the round's aggregate; returns the number of contributions used.
 
-    Returns the number of contributions summed. Fixed order: on-time by sender, then late by sender.
+    ``cfg`` None is the plain mean (late payloads join with the same weight); otherwise the rule of
+    swarm/robust.py, where late payloads are contributors of the round like on-time ones.
+    Fixed order: on-time by sender, then late by sender.
     """
-    weight = 1.0 / result.divisor()
-    count = 0
-    for c in result.on_time + result.late:
-        c.add_to(out, weight)
-        count += 1
-    return count
+    return aggregate_report(out, result, cfg).count
+
+
+def aggregate_report(out, result: RoundResult, cfg: robust.RobustConfig | None = None) -> robust.Report:
+    """As aggregate_into, returning what the aggregation saw (norms, clipped, outliers) for scoring."""
+    return robust.aggregate(out, result.contributions, cfg or robust.MEAN, divisor=result.divisor())

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import checkpoint, gossip
+from . import checkpoint, gossip, robust
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import PeerConfig, parse_hostport
 from .data import load_corpus
@@ -38,6 +38,7 @@ from .wire import PROTOCOL_VERSION
 
 log = logging.getLogger("swarm")
 
+RESYNC_LAG = 8  # a peer this many steps behind the swarm re-syncs its state instead of catching up
 SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
 
 
@@ -69,6 +70,8 @@ class Peer:
         self.progress = Progress()
         self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
         self.rejected: collections.Counter[str] = collections.Counter()
+        # per-sender scores, outlier counts and bans (swarm/robust.py; docs/design.md "Robust aggregation")
+        self.robust = robust.Scoreboard(robust.ScoreConfig(ban_seconds=cfg.ban_seconds))
         self.events: collections.deque[dict] = collections.deque(maxlen=200)
         self.timeline = Timeline()  # the status page's bounded series and per-peer link stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-train-{self.id[:6]}")
@@ -339,6 +342,7 @@ class Peer:
                 exp.add(pid)
         live = set(self.members.live_ids(include_self=False))
         exp |= self.book.active_senders(step, window=2) & live
+        exp -= self.robust.banned_ids(time.monotonic())  # banned peers are not waited for
         if self.active:
             exp.add(self.id)
         return exp
@@ -346,6 +350,9 @@ class Peer:
     def offer(self, decoded: Any) -> str:
         """File a validated payload from the network (called by the /v1/grads route)."""
         self.timeline.payload_from(decoded.sender)
+        if self.robust.banned(decoded.sender, time.monotonic()):
+            self.robust.refused(decoded.sender)
+            return robust.BANNED  # the route answers 403
         verdict = self.book.offer(decoded)
         if verdict in (gossip.ACCEPTED, gossip.LATE):
             self._arrival.set()
@@ -354,7 +361,8 @@ class Peer:
     async def _wait_round(self, step: int) -> set[str]:
         while True:
             exp = self.expected(step)
-            if self.book.ready(step, exp, time.monotonic(), self.cfg.round_timeout) or self._stop.is_set():
+            if (self.book.ready(step, exp, time.monotonic(), self.cfg.round_timeout) or self._stop.is_set()
+                    or (self.active and self._behind() > RESYNC_LAG)):
                 return exp
             self._arrival.clear()
             try:
@@ -445,10 +453,10 @@ class Peer:
         """Download parameters and optimizer state from a live peer, then replay buffered rounds."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.sync_timeout and not self._stop.is_set():
-            others = {pid for pid in self.members.alive_ids(include_self=False)
+            others = {pid: int(m.meta.get("step", 0)) for pid in self.members.alive_ids(include_self=False)
                       if (m := self.members.get(pid)) and m.meta.get("active")}
-            if others and others <= set(self.book.last_step_from):
-                break  # every contributor's traffic reaches us: no round after the snapshot is lost
+            if others and all(self.book.last_step_from.get(p, -1) >= s - 2 for p, s in others.items()):
+                break  # every contributor's current traffic reaches us: no round after the snapshot is lost
             await asyncio.sleep(0.1)
         donor = self._pick_donor()
         limit = 3 * self.trainer.manifest.numel * 4 + (1 << 20)
@@ -507,11 +515,36 @@ class Peer:
         while len(self._pushes) > keep:
             await asyncio.gather(self._pushes.popleft(), return_exceptions=True)
 
+    def _behind(self) -> int:
+        """How many steps the furthest contributing peer is ahead of us (0 if none is)."""
+        ahead = [int(m.meta.get("step", 0)) for pid in self.members.alive_ids(include_self=False)
+                 if (m := self.members.get(pid)) and m.meta.get("active")]
+        return max([a - self.book.step for a in ahead] + [0])
+
+    async def _resync(self) -> None:
+        """We fell behind (stalled, stopped, cut off): stop contributing, sync state like a joiner."""
+        self._event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
+        self.active = False
+        self.members.set_meta(active=0)
+        self.book.reset(self.book.step)
+        try:
+            await self._sync_state()
+        except JoinError as e:
+            self._event("resync-failed", str(e))
+        self.active = True
+
     async def _train(self) -> None:
         self.progress.started_at = time.monotonic()
         last_print = time.monotonic()
         prefetched: asyncio.Future | None = None
         while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
+            if self._behind() > RESYNC_LAG:
+                if prefetched is not None:
+                    prefetched.cancel()
+                    await asyncio.gather(prefetched, return_exceptions=True)
+                    prefetched = None
+                await self._resync()
+                continue
             step = self.book.step
             batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch())
             prefetched = None
@@ -535,7 +568,12 @@ class Peer:
             result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
             if result.timed_out:
                 self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
+            # payloads of banned senders (filed before the ban) leave the round, on every peer alike
+            result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
+            result.late = self.robust.split(result.late, time.monotonic())[0]
             await self.work(self.trainer.apply, result)
+            for pid in self.robust.observe(self.trainer.last_report, time.monotonic()):
+                self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
             self.members.set_meta(step=self.book.step)
             self.timeline.record_step(self, step, stats.loss)  # also shares loss and tok/s as meta
             if self.book.step % 10 == 0:
@@ -674,6 +712,9 @@ class Peer:
             "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
             "rounds": vars(self.book.stats).copy(),
             "rejected": dict(self.rejected),
+            "robust": {"aggregation": self.cfg.aggregation, "msg_clip": self.cfg.msg_clip,
+                       "ban_seconds": self.cfg.ban_seconds, "refused_banned": self.rejected.get("banned", 0),
+                       "peers": self.robust.status(time.monotonic(), time.time() - time.monotonic())},
             "dropped_sends": self.dropped_sends,
             "events": list(self.events)[-50:],
             "param_sketch": self.last_sketch,

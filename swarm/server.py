@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import auth, gossip
+from . import auth, gossip, robust
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .membership import MembershipError
 from .tables.http import add_routes as add_table_routes
@@ -186,6 +186,9 @@ async def grads(request: web.Request) -> web.Response:
                                           max_ratio=MAX_SPARSE_RATIO, max_bytes=limit)
     except CodecError as e:
         peer.rejected["codec"] += 1
+        claimed = robust.claimed_sender(body)  # charged to a live member's score (docs/design.md)
+        if claimed and claimed != peer.id and (m := peer.members.get(claimed)) and m.state in ("alive", "suspect"):
+            peer.robust.invalid(claimed, time.monotonic())
         raise BadRequest(f"rejected payload: {e}") from None
     if decoded.sender == peer.id:
         peer.rejected["sender"] += 1
@@ -196,6 +199,10 @@ async def grads(request: web.Request) -> web.Response:
         raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409,
                          code="unknown-sender")
     verdict = peer.offer(decoded)
+    if verdict == robust.BANNED:
+        peer.rejected["banned"] += 1
+        raise BadRequest(f"sender {decoded.sender[:16]!r} is banned for now: its recent payloads were outliers or "
+                         "invalid (docs/design.md, \"Robust aggregation\")", 403, code="banned")
     if verdict not in (gossip.ACCEPTED, gossip.LATE):
         peer.rejected[verdict] += 1
         raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})",

@@ -20,7 +20,8 @@ from safetensors.torch import save as st_save
 from .codec import Manifest
 from .config import PeerConfig
 from .data import BatchSampler, Corpus, val_batches
-from .gossip import RoundResult, aggregate_into
+from .gossip import RoundResult, aggregate_report
+from .robust import Report, RobustConfig
 from .model import TABLES, ModelConfig, SwarmLM, param_sketch
 from .tables import TableSpec
 
@@ -57,6 +58,8 @@ class Trainer:
         self.val = val_batches(corpus, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches,
                                prefix=self.model_cfg.prefix)
         self._agg = torch.zeros(self.manifest.numel, dtype=torch.float32)
+        self.robust_cfg = RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
+        self.last_report: Report | None = None  # what the last apply() aggregated (the node scores peers on it)
 
     # -- data -------------------------------------------------------------------------------
     def set_shard(self, index: int, count: int, seed: int) -> None:
@@ -107,9 +110,11 @@ class Trainer:
 
     @torch.no_grad()
     def apply(self, result: RoundResult) -> int:
-        """Optimizer step on the mean of the round's contributions. Returns how many were summed."""
+        """Optimizer step on the round's aggregate (cfg.aggregation, swarm/robust.py). Returns how many
+        contributions it combined; ``last_report`` keeps their norms and verdicts."""
         self._agg.zero_()
-        count = aggregate_into(self._agg, result)
+        self.last_report = aggregate_report(self._agg, result, self.robust_cfg)
+        count = self.last_report.count
         if count:
             grads = self.manifest.unflatten(self._agg)
             for name, p in zip(self.names, self.params):

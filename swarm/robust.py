@@ -1,0 +1,320 @@
+"""Robust aggregation of a round's gradient payloads, and per-peer scoring (sans-I/O).
+
+Pure functions of a round's contributions in sum order (on-time by sender, then late by sender), so
+every peer that holds the same payloads computes the same bits (docs/design.md, "Robust
+aggregation"). Nothing here reads a clock: the scoreboard takes ``now`` like the membership core.
+
+Rules (``--aggregation``):
+
+* ``mean``: the historical aggregate: sum / (on-time count), late payloads at the same weight.
+* ``trimmed``: coordinate-wise trimmed mean over *all* m contributors of the round, a sender that
+  did not send an index counting as 0 there (see the design doc for why not "senders present").
+* ``centered-clip`` (default): CenteredClip (Karimireddy, He, Jaggi 2021) on the densified vectors,
+  ``v <- v + mean_i clip(x_i - v, tau)`` for a fixed number of iterations from v = 0, with tau the
+  (lower) median of ``||x_i - v||`` at each iteration.
+
+Before any rule, ``msg_clip`` > 0 clips each message to ``msg_clip`` x the round's lower-median
+message norm. The robust rules need >= ``MIN_ROBUST`` (3) contributors; with fewer, the (clipped)
+mean is used.
+
+Determinism: norms are float64 numpy pairwise sums (independent of torch's thread count), scale
+factors are rounded to float32 once, and every sum over contributors runs in a fixed Python loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+RULES = ("mean", "trimmed", "centered-clip")
+MIN_ROBUST = 3  # contributors needed before a robust rule is used (with 2, nobody is a majority)
+CC_ITERS = 3  # CenteredClip iterations
+OUTLIER_FACTOR = 4.0  # a message whose norm exceeds this x the round's median norm is an outlier
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    rule: str = "centered-clip"
+    trim: float = 0.2  # fraction cut from each end per coordinate (trimmed)
+    msg_clip: float = 2.0  # clip each message to msg_clip x the round's median norm; 0 = off
+
+    def validate(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"aggregation rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if not (0.0 <= self.trim < 0.5):
+            raise ValueError(f"trim must be in [0, 0.5), got {self.trim}")
+        if not (self.msg_clip == 0 or self.msg_clip >= 1.0) or not math.isfinite(self.msg_clip):
+            raise ValueError(f"msg_clip must be 0 (off) or >= 1, got {self.msg_clip}")
+
+
+MEAN = RobustConfig(rule="mean", msg_clip=0.0)
+
+
+@dataclass
+class Report:
+    """What one aggregation saw: per-sender norms and verdicts (in contribution order)."""
+
+    count: int = 0
+    rule: str = "mean"  # the rule actually applied (a robust rule falls back to mean below MIN_ROBUST)
+    senders: list[str] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    median_norm: float = 0.0
+    clipped: list[str] = field(default_factory=list)  # senders whose message msg_clip scaled down
+    outliers: list[str] = field(default_factory=list)  # norm > OUTLIER_FACTOR x median (>= 3 contributors)
+
+
+def _values(c) -> torch.Tensor:
+    return c.values.reshape(-1).to(torch.float32)
+
+
+def _norm(v: torch.Tensor) -> float:
+    """L2 norm, float64, pairwise summation: the same bits whatever torch's thread count."""
+    a = v.detach().contiguous().numpy()
+    return float(np.sqrt(np.add.reduce(np.square(a, dtype=np.float64))))
+
+
+def lower_median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[(len(s) - 1) // 2] if s else 0.0
+
+
+def aggregate(out: torch.Tensor, contributions: Sequence, cfg: RobustConfig = MEAN, *,
+              divisor: int | None = None) -> Report:
+    """out (zeroed fp32 [n]) <- the round's aggregate under ``cfg``; returns what it saw.
+
+    ``contributions`` in sum order (each has step, sender, n, indices (None = dense), values and
+    add_to); ``divisor`` is the mean's divisor (the on-time count; default len(contributions)).
+    """
+    cs = list(contributions)
+    m = len(cs)
+    rep = Report(count=m, rule="mean", senders=[c.sender for c in cs], steps=[int(c.step) for c in cs])
+    if m == 0:
+        return rep
+    div = max(1, divisor if divisor is not None else m)
+    have_values = all(hasattr(c, "values") for c in cs)
+    if not have_values:  # a bare add_to contribution (tests): plain mean, nothing to measure
+        for c in cs:
+            c.add_to(out, 1.0 / div)
+        return rep
+    rep.norms = [_norm(_values(c)) for c in cs]
+    med = rep.median_norm = lower_median(rep.norms)
+    scale = [1.0] * m
+    if cfg.msg_clip > 0 and med > 0:
+        cap = cfg.msg_clip * med
+        for i, nrm in enumerate(rep.norms):
+            if nrm > cap:
+                scale[i] = float(np.float32(cap / nrm))
+                rep.clipped.append(cs[i].sender)
+    if m >= MIN_ROBUST and med > 0:
+        rep.outliers = [c.sender for c, nrm in zip(cs, rep.norms) if nrm > OUTLIER_FACTOR * med]
+    if cfg.rule == "mean" or m < MIN_ROBUST:
+        for c, s in zip(cs, scale):
+            c.add_to(out, s / div)
+        return rep
+    rep.rule = cfg.rule
+    idx, mat = _densify(cs, scale, out.numel())
+    if cfg.rule == "trimmed":
+        agg = _trimmed(mat, cfg.trim)
+    else:
+        agg = _centered_clip(mat)
+    if idx is None:
+        out.add_(agg)
+    else:
+        out.index_add_(0, idx, agg)
+    return rep
+
+
+def _densify(cs: Sequence, scale: Sequence[float], n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The contributions as rows of a [m, u] matrix over the union u of their indices (None = all n).
+
+    Outside that union every contribution is 0, so both robust rules give 0 there (CenteredClip
+    starts from v = 0 and only ever moves along differences that are 0 there): computing on the
+    union is exact, and with Top-K it is ~m*k columns instead of n."""
+    m = len(cs)
+    if any(c.indices is None for c in cs):
+        idx = None
+        mat = torch.zeros(m, n, dtype=torch.float32)
+        for i, c in enumerate(cs):
+            c.add_to(mat[i], scale[i])
+        return idx, mat
+    idx = torch.unique(torch.cat([c.indices.reshape(-1).to(torch.int64) for c in cs]))  # sorted
+    mat = torch.zeros(m, idx.numel(), dtype=torch.float32)
+    for i, c in enumerate(cs):
+        if c.indices.numel():
+            pos = torch.searchsorted(idx, c.indices.reshape(-1).to(torch.int64))
+            v = _values(c)
+            mat[i].index_copy_(0, pos, v if scale[i] == 1.0 else v * scale[i])
+    return idx, mat
+
+
+def _row_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Sum of rows in a fixed order (a Python loop: no reduction whose order depends on threads)."""
+    acc = rows[0].clone()
+    for r in rows[1:]:
+        acc.add_(r)
+    return acc
+
+
+def _trimmed(mat: torch.Tensor, trim: float) -> torch.Tensor:
+    m = mat.shape[0]
+    cut = int(math.floor(trim * m))
+    if cut == 0:
+        return _row_sum(mat) / m
+    srt = torch.sort(mat, dim=0).values  # sorting is exact: ties are equal values
+    return _row_sum(srt[cut:m - cut]) / (m - 2 * cut)
+
+
+def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS) -> torch.Tensor:
+    m = mat.shape[0]
+    v = torch.zeros(mat.shape[1], dtype=torch.float32)
+    for _ in range(iters):
+        diff = mat - v
+        d = [_norm(diff[i]) for i in range(m)]
+        tau = lower_median(d)
+        if tau <= 0:
+            break
+        step = torch.zeros_like(v)
+        for i in range(m):
+            s = 1.0 if d[i] <= tau else float(np.float32(tau / d[i]))
+            step.add_(diff[i], alpha=s)
+        v.add_(step, alpha=1.0 / m)
+    return v
+
+
+# -- scoring -------------------------------------------------------------------------------------
+
+BANNED = "banned"  # Peer.offer's verdict for a payload from a banned sender (the route answers 403)
+
+
+def claimed_sender(blob: bytes, max_header: int = 4096) -> str | None:
+    """The sender id an (invalid) payload's header claims, or None: to charge a refusal to someone.
+
+    Best effort on hostile bytes: never raises. The claim is only as good as the swarm's
+    authentication (docs/security.md): callers charge only live members."""
+    try:
+        if len(blob) < 8:
+            return None
+        (hlen,) = struct.unpack_from("<Q", blob, 0)
+        if hlen > max_header or 8 + hlen > len(blob):
+            return None
+        meta = json.loads(bytes(blob[8:8 + hlen]).decode("utf-8")).get("__metadata__")
+        s = meta.get("s") if isinstance(meta, dict) else None
+        return s if isinstance(s, str) and 0 < len(s) <= 256 else None
+    except Exception:  # malformed JSON, UTF-8, non-dict header ...
+        return None
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    ban_seconds: float = 60.0
+    outlier_penalty: float = 0.3
+    invalid_penalty: float = 0.2
+    recovery: float = 0.01  # per round taken
+    ban_below: float = 0.25  # banned when the score falls under this
+    after_ban: float = 0.5  # the score a peer comes back with (one more offence bans it again)
+
+
+@dataclass
+class PeerScore:
+    score: float = 1.0
+    banned_until: float = 0.0
+    outliers: int = 0
+    clipped: int = 0
+    invalid: int = 0
+    refused: int = 0  # payloads refused (403) while banned
+    excluded: int = 0  # payloads dropped from a round because the sender was banned
+    bans: int = 0
+
+
+class Scoreboard:
+    """Per-sender scores: drop on invalid payloads and outlier rounds, recover slowly, ban below a bar.
+
+    Round verdicts (``observe``) are a pure function of the round, so peers holding the same
+    payloads ban the same sender at the same round; ``ban_seconds`` is then measured on each
+    peer's own clock (docs/design.md for what that costs)."""
+
+    def __init__(self, cfg: ScoreConfig | None = None):
+        self.cfg = cfg or ScoreConfig()
+        self.peers: dict[str, PeerScore] = {}
+
+    def get(self, peer_id: str) -> PeerScore:
+        p = self.peers.get(peer_id)
+        if p is None:
+            p = self.peers[peer_id] = PeerScore()
+        return p
+
+    def banned(self, peer_id: str, now: float) -> bool:
+        p = self.peers.get(peer_id)
+        return p is not None and p.banned_until > now
+
+    def banned_ids(self, now: float) -> set[str]:
+        return {pid for pid, p in self.peers.items() if p.banned_until > now}
+
+    def _penalise(self, p: PeerScore, amount: float, now: float) -> bool:
+        """Lower a score; returns True when this starts a ban."""
+        if p.banned_until > now:
+            return False
+        self._expire(p, now)
+        p.score = max(0.0, p.score - amount)
+        if p.score < self.cfg.ban_below:
+            p.banned_until = now + self.cfg.ban_seconds
+            p.bans += 1
+            return True
+        return False
+
+    def invalid(self, peer_id: str, now: float) -> bool:
+        p = self.get(peer_id)
+        p.invalid += 1
+        return self._penalise(p, self.cfg.invalid_penalty, now)
+
+    def refused(self, peer_id: str) -> None:
+        self.get(peer_id).refused += 1
+
+    def split(self, contributions: Iterable, now: float) -> tuple[list, list]:
+        """(kept, dropped): contributions from banned senders are dropped from the round."""
+        kept, dropped = [], []
+        for c in contributions:
+            (dropped if self.banned(c.sender, now) else kept).append(c)
+        for c in dropped:
+            self.get(c.sender).excluded += 1
+        return kept, dropped
+
+    def observe(self, report: Report, now: float) -> list[str]:
+        """Score one aggregated round; returns the senders this round got banned."""
+        out = set(report.outliers)
+        clipped = set(report.clipped)
+        newly = []
+        for sender in dict.fromkeys(report.senders):
+            p = self.get(sender)
+            if sender in clipped:
+                p.clipped += 1
+            if sender in out:
+                p.outliers += 1
+                if self._penalise(p, self.cfg.outlier_penalty, now):
+                    newly.append(sender)
+        for p in self.peers.values():
+            if p.banned_until <= now:
+                self._expire(p, now)
+                p.score = min(1.0, p.score + self.cfg.recovery)
+        return newly
+
+    def _expire(self, p: PeerScore, now: float) -> None:
+        """A ban that ran out: the peer comes back on probation (one more offence bans it again)."""
+        if p.banned_until and p.banned_until <= now and p.score < self.cfg.ban_below:
+            p.score = self.cfg.after_ban
+
+    def status(self, now: float, clock_offset: float = 0.0) -> dict:
+        """Per-peer counts; ``banned_until`` is ``now``'s clock + ``clock_offset`` (e.g. to Unix time)."""
+        return {pid: {"score": round(p.score, 3),
+                      "banned_until": p.banned_until + clock_offset if p.banned_until > now else None,
+                      "banned_for_s": round(p.banned_until - now, 1) if p.banned_until > now else 0.0,
+                      "outliers": p.outliers, "clipped": p.clipped, "invalid": p.invalid,
+                      "refused": p.refused, "excluded": p.excluded, "bans": p.bans}
+                for pid, p in sorted(self.peers.items())}

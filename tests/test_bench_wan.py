@@ -1,0 +1,117 @@
+"""The pure parts of bench/wan.py: parsing, curves, time to target, byte windows, the root check.
+
+No network namespaces, no processes, no root."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "bench" / "wan.py"
+_spec = importlib.util.spec_from_file_location("bench_wan", _PATH)
+wan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wan)
+
+
+def test_parse_peer_lines_progress_and_summary():
+    lines = [(1.0, "listening on http://10.77.0.1:7100 (peer p0)"),
+             (2.0, "step 1 loss 5.545 tok/s 100 peers 4 sent 0.10MB recv 0.20MB compression x12"),
+             (2.5, "step 2 loss 5.400 tok/s 100 peers 4 sent 0.10MB recv 0.20MB compression x12"),
+             (2.6, "step 3 loss nan tok/s 100 peers 4 sent 0.10MB recv 0.20MB compression x12"),
+             (3.0, json.dumps({"peer_id": "p0", "val_loss": 3.5, "bytes_sent": 10}))]
+    pts, summary = wan.parse_peer_lines(lines)
+    assert pts == {1: (2.0, 5.545), 2: (2.5, 5.4)}
+    assert summary["val_loss"] == 3.5
+
+
+def test_parse_peer_lines_without_summary():
+    pts, summary = wan.parse_peer_lines([(1.0, "step 1 loss 5.0 tok/s 1 peers 1 sent 0MB recv 0MB compression x0"),
+                                         (2.0, "Traceback (most recent call last):")])
+    assert pts == {1: (1.0, 5.0)} and summary is None
+
+
+def test_running_mean_matches_peer_progress_line():
+    vals = [float(i) for i in range(1, 15)]
+    out = wan.running_mean(vals, 10)
+    assert out[0] == 1.0 and out[1] == 1.5 and out[9] == 5.5
+    assert out[10] == pytest.approx(sum(vals[1:11]) / 10)
+    assert out[13] == pytest.approx(sum(vals[4:14]) / 10)
+
+
+def test_parse_ddp_lines():
+    recs = [{"step": i, "t": 100.0 + i, "loss": 6.0 - i, "compute_s": 0.1, "comm_s": 0.2} for i in (2, 1, 3)]
+    lines = [json.dumps(r) for r in recs] + ["garbage", json.dumps({"rank": 0, "val_loss": 2.5})]
+    pts, summary, raw = wan.parse_ddp_lines(lines)
+    assert [r["step"] for r in raw] == [1, 2, 3]
+    assert pts[1] == (101.0, 5.0) and pts[2] == (102.0, 4.5) and pts[3] == (103.0, 4.0)
+    assert summary["val_loss"] == 2.5
+
+
+def test_merge_curves_uses_last_peer_time_and_common_steps():
+    a = {1: (10.0, 4.0), 2: (11.0, 3.0), 3: (12.0, 2.0)}
+    b = {1: (10.5, 6.0), 2: (10.9, 5.0)}
+    assert wan.merge_curves([a, b]) == [(1, 10.5, 5.0), (2, 11.0, 4.0)]
+    assert wan.merge_curves([]) == []
+
+
+def test_time_to_target_and_step_time():
+    curve = [(1, 100.0, 5.0), (2, 101.0, 4.0), (3, 103.0, 3.0), (4, 104.0, 2.9)]
+    assert wan.time_to_target(curve, 3.0) == (3.0, 3)
+    assert wan.time_to_target(curve, 4.5) == (1.0, 2)
+    assert wan.time_to_target(curve, 1.0) == (None, None)
+    assert wan.time_to_target([], 1.0) == (None, None)
+    assert wan.step_time(curve) == pytest.approx(4.0 / 3)
+    assert wan.step_time(curve[:1]) is None
+
+
+def test_pick_target_is_reached_by_every_method():
+    curves = {"a": [(1, 0.0, 5.0), (2, 1.0, 3.0)], "b": [(1, 0.0, 5.0), (2, 9.0, 3.5)], "c": []}
+    target = wan.pick_target(curves, 0.01)
+    assert target == pytest.approx(3.51)
+    assert all(wan.time_to_target(c, target)[0] is not None for c in curves.values() if c)
+
+
+def test_bytes_between_interpolates_and_skips_missing_samples():
+    samples = [(0.0, [0, 0]), (1.0, [100, 10]), (2.0, [None, 20]), (3.0, [300, 30])]
+    assert wan.bytes_between(samples, 0.5, 3.0) == [250, 25]
+    assert wan.bytes_between(samples, -5.0, 99.0) == [300, 30]
+    assert wan.bytes_between([(0.0, [None])], 0.0, 1.0) is None
+
+
+def test_summarize_ratios():
+    runs = {
+        "swarm": {"time_to_target_s": 10.0, "bytes_per_peer": 1_000, "run_bytes_per_peer": 2_000, "step_time_s": 0.6,
+                  "val_loss": 2.0, "wait_share": 0.1},
+        "ddp-dense": {"time_to_target_s": 40.0, "bytes_per_peer": 60_000, "run_bytes_per_peer": 60_000,
+                      "step_time_s": 5.0, "val_loss": 1.9},
+        "ddp-sparse": {"time_to_target_s": 16.0, "bytes_per_peer": 5_000, "step_time_s": 1.0},
+    }
+    out = wan.summarize(runs, floor_contended=0.5, floor_solo=0.2, target=2.5)
+    assert out["speedup_vs_ddp_time_to_loss"] == 4.0
+    assert out["speedup_vs_sparse_ddp_time_to_loss"] == 1.6
+    assert out["speedup_vs_hivemind_time_to_loss"] is None
+    assert out["bytes_ratio_vs_ddp"] == 60.0 and out["bytes_ratio_vs_ddp_whole_run"] == 30.0
+    assert out["step_time_over_compute_floor"] == 1.2
+    assert out["step_time_over_solo_compute_floor"] == 3.0
+    for key in ("speedup_vs_ddp_time_to_loss", "speedup_vs_sparse_ddp_time_to_loss",
+                "speedup_vs_hivemind_time_to_loss", "bytes_ratio_vs_ddp", "step_time_over_compute_floor"):
+        assert key in out
+    json.dumps(out)
+
+
+def test_wait_share():
+    assert wan.wait_share(1.0, 0.25) == 0.75
+    assert wan.wait_share(0.2, 0.25) == 0.0
+    assert wan.wait_share(None, 0.25) is None
+
+
+def test_without_root_it_says_so_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sys, "argv", ["wan.py"])
+    called = []
+    monkeypatch.setattr(wan, "sh", lambda *a, **k: called.append(a))  # must not touch the network
+    assert wan.main() == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "needs root" in out[0]
+    assert called == []
