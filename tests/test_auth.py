@@ -298,7 +298,7 @@ async def test_a_peer_with_the_wrong_secret_cannot_join():
 async def test_cli_generates_a_secret_and_a_wrong_one_exits_2(spawn):
     from .test_peer_cli import run_cli
 
-    first = spawn("--secret", "generate")
+    first = spawn("--secret", "generate", "--min-peers", "2")  # waits: no training load meanwhile
     m = await first.read_until(r"join this swarm with: python3 peer.py --join (\S+) --secret (\S+)")
     addr, secret = m.group(1), m.group(2)
     assert len(secret) >= 40

@@ -374,45 +374,40 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             raise _service_errors(e) from None
         return web.Response(body=data, content_type="application/octet-stream")
 
-    async def push(request: web.Request) -> web.Response:
+    async def decoded_then_applied(request: web.Request, route: str, what: str, decode, apply):
+        """The shared path of the write routes: bounded read, decode off the loop (400 on WireError),
+        then one TableService call on the table thread (its refusals mapped to 409/503)."""
         peer = ready(request)
-        body = await read_body(request, body_limits(peer.tables)["/v1/rows/push"])
+        body = await read_body(request, body_limits(peer.tables)[route])
         try:
-            req = await asyncio.to_thread(decode_push, body, peer.tables.by_name, MAX_IDS)
+            msg = await asyncio.to_thread(decode, body, peer)
         except WireError as e:
-            raise BadRequest(f"bad push request: {e}") from None
+            raise BadRequest(f"bad {what}: {e}") from None
         try:
-            forward = await peer.table_work(peer.tables.apply_push, req)
-        except (Fenced, Moving, NotPrimary, ShardError) as e:
+            return peer, await peer.table_work(apply, peer, msg)
+        except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
             raise _service_errors(e) from None
+
+    async def push(request: web.Request) -> web.Response:
+        peer, forward = await decoded_then_applied(
+            request, "/v1/rows/push", "push request",
+            lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
+            lambda p, req: p.tables.apply_push(req))
         replicated = await replicate(peer.table_client, forward)
         return web.json_response({"applied": True, "replicated": replicated})
 
     async def replica(request: web.Request) -> web.Response:
-        peer = ready(request)
-        body = await read_body(request, body_limits(peer.tables)["/v1/rows/replica"])
-        try:
-            table, update, view, key = await asyncio.to_thread(decode_replica, body, peer.tables.by_name,
-                                                               peer.tables.opt.kind)
-        except WireError as e:
-            raise BadRequest(f"bad replica update: {e}") from None
-        try:
-            fresh = await peer.table_work(peer.tables.apply_replica, table, update, view, key)
-        except (Fenced, Moving, NotPrimary, ShardError) as e:
-            raise _service_errors(e) from None
+        _, fresh = await decoded_then_applied(
+            request, "/v1/rows/replica", "replica update",
+            lambda body, p: decode_replica(body, p.tables.by_name, p.tables.opt.kind),
+            lambda p, m: p.tables.apply_replica(*m))
         return web.json_response({"applied": fresh})
 
     async def replay(request: web.Request) -> web.Response:
-        peer = ready(request)
-        body = await read_body(request, body_limits(peer.tables)["/v1/rows/replay"])
-        try:
-            rp = await asyncio.to_thread(decode_replay, body, peer.tables.by_name, MAX_IDS)
-        except WireError as e:
-            raise BadRequest(f"bad replay: {e}") from None
-        try:
-            fresh = await peer.table_work(peer.tables.apply_replay, rp)
-        except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
-            raise _service_errors(e) from None
+        _, fresh = await decoded_then_applied(
+            request, "/v1/rows/replay", "replay",
+            lambda body, p: decode_replay(body, p.tables.by_name, MAX_IDS),
+            lambda p, rp: p.tables.apply_replay(rp))
         return web.json_response({"applied": fresh})
 
     async def slots(request: web.Request) -> web.Response:
