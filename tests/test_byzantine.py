@@ -46,6 +46,12 @@ async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict],
                      out=lambda line: None)
             await p.start()
             peers.append(p)
+        # the first steps would wait for the table ownership view to settle (pull retries): settle first
+        ids = sorted(p.id for p in peers)
+        t0 = time.monotonic()
+        while not all(p.tables.map is not None and list(p.tables.map.members) == ids and not p.tables.moving
+                      for p in peers) and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.05)
         if attack:
             make_byzantine(peers[-1])
         results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 200)
