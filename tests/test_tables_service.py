@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm.tables import TableSpec
-from swarm.tables.service import Diverged, Fenced, Moving, NotPrimary, TableService
+from swarm.tables.service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from swarm.tables.wire import PullRequest, PushRequest
 
 SPECS = [TableSpec("ngram", 256, 8), TableSpec("value", 256, 8)]
@@ -123,6 +123,16 @@ def test_hand_off_keeps_the_newest_copy_and_slots_are_moving_until_installed():
     assert joiner.import_best(mv, [stale.export_slot(mv.table, mv.slot), current]) is True
     assert joiner.shards[mv.table].checksum(mv.slot) == src.shards[mv.table].checksum(mv.slot)
     assert joiner.import_best(mv, [current]) is False  # no longer awaited
+    # a slot nobody ever updated travels as a marker, not as rows; a real copy beats the marker
+    other = fetch[1]
+    assert stale.export_slot_or_fresh(other.table, other.slot) == FRESH
+    assert src.export_slot_or_fresh(mv.table, mv.slot) != FRESH  # it has updates
+    assert joiner.import_best(other, [FRESH]) is True
+    assert not joiner.shards[other.table].read(np.arange(*joiner._slot_rows(other.table, other.slot))).any()
+    third = fetch[2]
+    real = svcs[third.sources[0]].export_slot(third.table, third.slot)
+    assert joiner.import_best(third, [FRESH, real]) is True
+    assert joiner.shards[third.table].checksum(third.slot) == svcs[third.sources[0]].shards[third.table].checksum(third.slot)
 
 
 def test_slots_a_peer_no_longer_owns_are_released_after_the_grace_period():

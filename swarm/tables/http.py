@@ -26,7 +26,7 @@ from aiohttp import web
 from ..transport import PeerUnreachable, Transport
 from ..wire import BadRequest, msgpack_response, pack, read_body, unpack_map
 from .ownership import Move
-from .service import Diverged, Fenced, Moving, NotPrimary, TableService
+from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
 from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replay,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replay, encode_replica, encode_rows)
@@ -234,10 +234,10 @@ class TableClient:
                 break  # every old owner is gone
             asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
             replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
-            offers: dict[int, list[bytes]] = {}
+            offers: dict[int, list[bytes | int]] = {}
             for (src, slots), blobs in zip(asked.items(), replies):
                 for slot, blob in zip(slots, blobs):
-                    if isinstance(blob, bytes):
+                    if blob is not None:
                         offers.setdefault(slot, []).append(blob)
             left = []
             for mv in pending:
@@ -256,7 +256,7 @@ class TableClient:
         for mv in pending:
             await self.work(self.service.give_up, mv)
 
-    async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | None]:
+    async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | int | None]:
         addr = self.addr_of(source)
         if addr is None:
             return [None] * len(slots)
@@ -268,7 +268,7 @@ class TableClient:
         blobs = reply.get("slots")
         if not isinstance(blobs, list) or len(blobs) != len(slots):
             return [None] * len(slots)
-        return [b if isinstance(b, bytes) else None for b in blobs]
+        return [b if isinstance(b, bytes) or (type(b) is int and b == FRESH) else None for b in blobs]
 
     def status(self) -> dict:
         s = self.stats
@@ -421,11 +421,11 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
                 or not all(type(s) is int for s in wanted)):
             raise BadRequest(f"slots must be a list of 1..{SLOTS_PER_REQUEST} ints")
 
-        def export() -> list[bytes | None]:
-            out: list[bytes | None] = []
+        def export() -> list[bytes | int | None]:
+            out: list[bytes | int | None] = []
             for s in wanted:
                 try:
-                    out.append(peer.tables.export_slot(table, s))
+                    out.append(peer.tables.export_slot_or_fresh(table, s))
                 except (NotPrimary, ShardError, ValueError):
                     out.append(None)  # no copy to give (yet): the asker tries the other owners
             return out

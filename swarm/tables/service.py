@@ -34,6 +34,9 @@ from .shard import RowOptConfig, ShardError, TableShard
 from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot
 
 
+FRESH = 0  # a hand-off offer meaning "this slot was never updated: create it as zero rows"
+
+
 class Fenced(Exception):
     """The request was made under another view of the membership (HTTP 409)."""
 
@@ -259,6 +262,14 @@ class TableService:
             self.applied.popitem(last=False)
 
     # -- hand-off -----------------------------------------------------------------------------
+    def export_slot_or_fresh(self, table: str, slot: int) -> bytes | int:
+        """export_slot, or FRESH (0) for a slot no update has touched: the new owner creates its
+        zero rows itself instead of receiving them (a swarm's first joins move no row bytes)."""
+        if (table in self.shards and (table, slot) not in self.moving and self.shards[table].has_slot(slot)
+                and self.shards[table].untouched(slot)):
+            return FRESH
+        return self.export_slot(table, slot)
+
     def export_slot(self, table: str, slot: int) -> bytes:
         """A held slot, rows and optimizer state, for a new owner (not fenced: reading is harmless).
 
@@ -281,6 +292,10 @@ class TableService:
             return False
         best, best_version = None, -1
         for blob in blobs:
+            if blob == FRESH:
+                if best_version < 0:
+                    best, best_version = FRESH, 0
+                continue
             try:
                 table, slot, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows)
             except ValueError:
@@ -294,7 +309,10 @@ class TableService:
             return False
         shard = self.shards[move.table]
         if not (shard.has_slot(move.slot) and int(shard.export_slot(move.slot)["step"].sum()) > best_version):
-            shard.import_slot(move.slot, best)
+            if best is FRESH:
+                shard.create_slot(move.slot)
+            else:
+                shard.import_slot(move.slot, best)
         del self.moving[(move.table, move.slot)]
         self.stats.slots_fetched += 1
         return True

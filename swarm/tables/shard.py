@@ -298,6 +298,13 @@ class TableShard:
         """fp32 [len(ids), dim] copies of the rows, in ids order."""
         return self._rows.index_select(0, self._pool_index(ids))
 
+    def untouched(self, slot: int) -> bool:
+        """True while no optimizer step has touched the slot and its rows are still all zero
+        (a slot as create_slot made it: a hand-off can say so instead of shipping it)."""
+        lo, hi, base = self._held_or_raise(slot)
+        n = hi - lo
+        return bool((self._step[base:base + n] == 0).all()) and not bool(self._rows[base:base + n].any())
+
     def steps(self, ids: np.ndarray) -> torch.Tensor:
         """int64 update counters of these rows (how many optimizer steps each has had)."""
         return self._step.index_select(0, self._pool_index(ids))
