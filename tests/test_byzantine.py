@@ -1,8 +1,8 @@
 """A Byzantine peer: 1 of 5 sends sign-flipped gradients scaled x100 (valid payloads).
 
-Three in-process swarms of 5 peers on the same seed: clean, attacked with robust aggregation (the
-defaults: CenteredClip, msg_clip 2, banning), attacked with every defence off (mean, no clipping, no
-bans). Robust must end within 10% of clean; the plain mean clearly worse.
+Three in-process swarms of 5 peers on the same seed: clean (defaults), attacked with robust
+aggregation (the defaults: CenteredClip, msg_clip 2, banning; the ban made long enough to outlast the
+run on a slow machine), attacked with every defence off (mean, no clipping, no bans). Robust must end within 10% of clean; the plain mean clearly worse.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .conftest import rel_l2, small_cfg
 pytestmark = pytest.mark.timeout(240)
 
 PEERS = 5
-STEPS = 30
+STEPS = 20
 OFF = dict(aggregation="mean", msg_clip=0.0, ban_seconds=0.0)  # no defence at all
 
 
@@ -46,12 +46,7 @@ async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict],
                      out=lambda line: None)
             await p.start()
             peers.append(p)
-        # the first steps would wait for the table ownership view to settle (pull retries): settle first
-        ids = sorted(p.id for p in peers)
-        t0 = time.monotonic()
-        while not all(p.tables.map is not None and list(p.tables.map.members) == ids and not p.tables.moving
-                      for p in peers) and time.monotonic() - t0 < 30:
-            await asyncio.sleep(0.05)
+            await settled(peers)
         if attack:
             make_byzantine(peers[-1])
         results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 200)
@@ -59,6 +54,19 @@ async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict],
         for p in peers:
             await p.close()
     return list(results), peers
+
+
+async def settled(peers: list[Peer], timeout: float = 30.0) -> None:
+    """Wait until the peers share one table-ownership view with no hand-off pending. Joining one at a
+    time this way keeps hand-offs short (a slot's old owner is never itself still fetching it), and
+    the first steps then do not wait on row pulls."""
+    ids = sorted(p.id for p in peers)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if all(p.tables.map is not None and list(p.tables.map.members) == ids and not p.tables.moving
+               for p in peers):
+            return
+        await asyncio.sleep(0.05)
 
 
 def val_loss(results: list[dict]) -> float:
@@ -70,7 +78,7 @@ def val_loss(results: list[dict]) -> float:
 async def test_one_byzantine_peer_of_five_robust_vs_mean():
     t0 = time.monotonic()
     clean, _ = await run_swarm(False)
-    robust, rpeers = await run_swarm(True)
+    robust, rpeers = await run_swarm(True, ban_seconds=600.0)  # defaults, with a ban that outlasts a slow run
     plain, _ = await run_swarm(True, **OFF)
     v_clean, v_robust, v_plain = val_loss(clean), val_loss(robust), val_loss(plain)
     print(f"val_loss clean {v_clean:.4f} attacked+robust {v_robust:.4f} attacked+mean {v_plain:.4f} "
@@ -81,11 +89,13 @@ async def test_one_byzantine_peer_of_five_robust_vs_mean():
 
     # every honest peer banned the attacker, at the same round, and refused its later payloads
     attacker = rpeers[-1].id
+    outliers = set()
     for p in rpeers[:-1]:
         st = p.status()["robust"]
-        assert st["peers"][attacker]["outliers"] >= 1 and st["peers"][attacker]["bans"] == 1
-        assert st["peers"][attacker]["banned_until"] is not None
-        assert all(v["bans"] == 0 for pid, v in st["peers"].items() if pid != attacker)
+        assert st["peers"][attacker]["bans"] == 1 and st["peers"][attacker]["banned_until"] is not None
+        assert all(v["bans"] == 0 and v["outliers"] == 0 for pid, v in st["peers"].items() if pid != attacker)
+        outliers.add(st["peers"][attacker]["outliers"])
+    assert len(outliers) == 1 and outliers.pop() >= 1  # the same verdicts on every peer
     assert sum(p.status()["robust"]["refused_banned"] for p in rpeers[:-1]) > 0
     # the ban starts at the same round everywhere, so the honest replicas stay identical
     for r in robust[1:PEERS - 1]:
