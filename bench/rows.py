@@ -58,12 +58,7 @@ def http_worker(rank: int, args, ports: list[int], out: mp.Queue, go: mp.Event) 
     from swarm.config import PeerConfig
     from swarm.node import Peer
 
-    async def median_run(rs: list[dict]) -> dict:
-    """Per field, the median over the repeats."""
-    return {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
-
-
-def main() -> None:
+    async def main() -> None:
         join = "" if rank == 0 else f"127.0.0.1:{ports[0]}"
         cfg = PeerConfig(port=ports[rank], join=join, table_rows=args.table_rows, table_slots=args.slots,
                          replicas=args.replicas, row_dtype=args.dtype, threads=1, batch_size=4, eval_batches=1)
@@ -186,6 +181,11 @@ def summarize(results: list) -> dict:
     return {"rows_per_s": rows / wall, "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "rows": rows, "wall_s": wall,
             "remote_share": float(np.mean([r[5] for r in results]))}
+
+
+def median_run(rs: list[dict]) -> dict:
+    """Per field, the median over the repeats."""
+    return {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
 
 
 def median_run(rs: list[dict]) -> dict:

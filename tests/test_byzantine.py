@@ -21,7 +21,10 @@ from .conftest import rel_l2, small_cfg
 pytestmark = pytest.mark.timeout(240)
 
 PEERS = 5
-STEPS = 20
+STEPS = 25
+# the hashed tables' row pushes are outside robust aggregation (docs/design.md): one owner per slot
+# halves the table traffic of 5 peers in one process, and the test's time
+TABLES = dict(replicas=1)
 OFF = dict(aggregation="mean", msg_clip=0.0, ban_seconds=0.0)  # no defence at all
 
 
@@ -37,6 +40,7 @@ def make_byzantine(peer: Peer, scale: float = -100.0) -> None:
 
 async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict], list[Peer]]:
     """Run PEERS in-process peers to ``steps``; the last one is the attacker when ``attack``."""
+    kw = {**TABLES, **kw}
     first = Peer(small_cfg(steps=steps, min_peers=PEERS, **kw), out=lambda line: None)
     await first.start()
     peers = [first]

@@ -298,6 +298,12 @@ class TableShard:
         """fp32 [len(ids), dim] copies of the rows, in ids order."""
         return self._rows.index_select(0, self._pool_index(ids))
 
+    def held_slots(self) -> np.ndarray:
+        """int64 array of the held slot numbers (cached with the slot index)."""
+        if self._dirty:
+            self._index()
+        return self._h_slot
+
     def untouched(self, slot: int) -> bool:
         """True while no optimizer step has touched the slot and its rows are still all zero
         (a slot as create_slot made it: a hand-off can say so instead of shipping it)."""
