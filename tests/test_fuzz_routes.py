@@ -218,7 +218,9 @@ def fuzz_route(h: Harness, method: str, path: str, data) -> None:
     status, reply = h.send(method, target, body, headers)
     assert ok(status), (path, mode, kind, status, reply[:300])
     if mode != "valid":
-        if method == "GET" and body and mode in ("wrong-secret", "wrong-path"):
+        if method == "GET" and body and mode in ("wrong-secret", "wrong-path", "replayed"):
+            # (a replayed GET with a body: its first copy was refused by the limit too, before the
+            # signature was checked, so its nonce was never recorded: the copy meets the limit again)
             # well-formed auth headers: the body is read (through the route's limit, 0 for a GET)
             # before the signature over its hash can be checked, so the limit answers first
             assert status == 413, (path, mode, status, reply[:300])
