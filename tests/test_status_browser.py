@@ -97,6 +97,8 @@ async def test_page_of_a_three_peer_swarm_shows_peers_and_loss_chart_live(tmp_pa
             assert sorted(ids) == sorted(p.id for p in peers)
             states = await page.eval_on_selector_all(f"{rows} .pill", "ps => ps.map(p => p.textContent)")
             assert states == ["alive"] * 3
+            hint = await page.text_content("#peers-hint")  # robust aggregation's counts are on the page
+            assert "centered-clip" in hint and "0 banned" in hint
 
             await page.wait_for_function("+document.getElementById('loss-chart').dataset.points > 10",
                                          timeout=15_000)

@@ -253,7 +253,14 @@ function renderPeers(s, members) {
   const order = { alive: 0, suspect: 1, dead: 2, left: 3 };
   const rows = [...members].sort((a, b) =>
     (b.self - a.self) || (order[a.state] - order[b.state]) || String(a.peer_id).localeCompare(b.peer_id));
-  $("peers-hint").textContent = `${members.length} known to this peer`;
+  const rb = (s.robust && s.robust.peers) || {};
+  const scores = Object.values(rb);
+  const banned = scores.filter((r) => r.banned_for_s > 0).length;
+  const outliers = scores.reduce((a, r) => a + (r.outliers || 0), 0);
+  const invalid = scores.reduce((a, r) => a + (r.invalid || 0), 0);
+  $("peers-hint").textContent = `${members.length} known to this peer` +
+    (s.robust ? ` · ${s.robust.aggregation} · ${banned} banned · ${outliers} outlier and ${invalid} invalid payloads` +
+      ` · ${s.robust.refused_banned || 0} refused from banned peers` : "");
   const tbody = document.querySelector("#peers tbody");
   const frag = document.createDocumentFragment();
   for (const m of rows) {
@@ -264,7 +271,11 @@ function renderPeers(s, members) {
     const tr = el("tr", { "data-peer-id": m.peer_id, class: m.self ? "self" : "" },
       idCell,
       el("td", { class: "mono", text: m.addr }),
-      el("td", {}, el("span", { class: "pill " + m.state, text: m.state })),
+      el("td", { title: rb[m.peer_id] ? `score ${rb[m.peer_id].score}, outliers ${rb[m.peer_id].outliers}, ` +
+          `invalid ${rb[m.peer_id].invalid}, bans ${rb[m.peer_id].bans}` : "" },
+        rb[m.peer_id] && rb[m.peer_id].banned_for_s > 0
+          ? el("span", { class: "pill dead", text: `banned ${Math.ceil(rb[m.peer_id].banned_for_s)}s` })
+          : el("span", { class: "pill " + m.state, text: m.state })),
       el("td", { class: "num", text: fmtInt(m.step) }),
       el("td", { class: lagCls, text: m.lag === null || m.lag === undefined ? "–" : String(m.lag) }),
       el("td", { class: "num", text: fmt(m.loss) }),
