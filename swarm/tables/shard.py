@@ -262,12 +262,7 @@ class TableShard:
 
     def _pool_index(self, ids) -> torch.Tensor:
         """Pool positions of global row ids (any order); ShardError if one's slot is not held."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.numpy()
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ShardError(f"ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-        ids = ids.astype(np.int64, copy=False)
+        ids = _int64_ids(ids, "ids")
         if not ids.size:
             return torch.zeros(0, dtype=torch.int64)
         if self._dirty:
@@ -282,12 +277,7 @@ class TableShard:
 
     @staticmethod
     def _sorted_unique(ids, what: str) -> np.ndarray:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.numpy()
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ShardError(f"{what}: ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
-        ids = ids.astype(np.int64, copy=False)
+        ids = _int64_ids(ids, what)
         if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
             raise ShardError(f"{what}: ids must be sorted and unique")
         return ids
@@ -378,6 +368,16 @@ class TableShard:
         for k in self.state_keys:
             self._state[k].index_copy_(0, idx, update[k])
         self._step.index_copy_(0, idx, update["step"])
+
+
+def _int64_ids(ids, what: str) -> np.ndarray:
+    """A 1-D integer array or tensor as int64 numpy; ShardError for anything else."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.numpy()
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ShardError(f"{what}: ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    return ids.astype(np.int64, copy=False)
 
 
 def _desc(v) -> str:
