@@ -188,7 +188,11 @@ class Timeline:
         mono = time.monotonic()
         rows = []
         top = swarm_step(peer)
-        for m in peer.members.members():
+        known = peer.members.members()
+        ids = {m.peer_id for m in known}
+        for gone in [p for p in self.links if p not in ids]:
+            del self.links[gone]  # membership forgot it (tombstone expired): so do we
+        for m in known:
             step = int(m.meta.get("step", 0))
             lk = self.links.get(m.peer_id)
             is_self = m.peer_id == peer.id
