@@ -590,8 +590,11 @@ class Peer:
             await asyncio.gather(prefetched, return_exceptions=True)
         await self._drain_pushes(keep=0)
 
-    async def evaluate(self) -> float:
-        """Mean loss over the fixed held-out batches, with their rows pulled from the owners."""
+    async def evaluate(self) -> float | None:
+        """Mean loss over the fixed held-out batches, with their rows pulled from the owners
+        (None when the corpus is too small to hold a held-out batch)."""
+        if not self.trainer.val:
+            return None
         losses = []
         for batch in self.trainer.val:
             want = await self.work(self.trainer.rows_of, batch)

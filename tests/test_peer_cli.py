@@ -142,3 +142,18 @@ def test_unreachable_join_gives_one_line_and_exit_2():
     assert r.returncode == 2
     err = [line for line in r.stderr.strip().splitlines() if line and not line.startswith("warning: no --secret")]
     assert len(err) == 1 and "cannot reach" in err[0] and "Traceback" not in r.stderr
+
+
+def test_own_data_too_small_for_a_held_out_batch_still_finishes(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world, this is a tiny corpus. " * 20)
+    r = run_cli("--data", str(tmp_path), "--steps", "3", "--table-rows", "4096", "--table-slots", "256",
+                "--batch-size", "2", timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["val_loss"] is None  # nothing held out to evaluate on
+
+
+def test_data_without_usable_text_is_a_clear_error(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    r = run_cli("--data", str(tmp_path), "--table-rows", "4096")
+    assert r.returncode == 2 and "no usable text" in r.stderr and "Traceback" not in r.stderr
