@@ -230,8 +230,10 @@ class TableClient:
         while pending and time.monotonic() - t0 < deadline_s:
             pending = [m for m in pending if self.service.moving.get((m.table, m.slot)) is m]
             sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
-            if not sources:
-                break  # every old owner is gone
+            if not sources:  # no old owner is reachable now; one may come back (refuting) before the deadline
+                attempt += 1
+                await asyncio.sleep(min(0.2 * attempt, 2.0))
+                continue
             asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
             replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
             offers: dict[int, list[bytes | int]] = {}

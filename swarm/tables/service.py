@@ -127,12 +127,15 @@ class TableService:
             # A copy we still hold from an earlier map (waiting to be released) is stale: we were
             # not an owner in `old`, so updates went elsewhere. Fetch it again.
             sources = tuple(s for s in mv.sources if s != self.self_id)
+            if not sources and old is not None:
+                # Every old owner has left our map. One may only have been declared dead by mistake
+                # (an overloaded peer that will refute): keep asking the old owners for a while
+                # (TableClient.fetch's deadline) before the slot restarts from zero rows (give_up).
+                sources = tuple(o for o in old.owners(mv.table, mv.slot) if o != self.self_id)
             if sources:
                 self.moving[key] = Move(mv.table, mv.slot, mv.to, sources)
                 fetch.append(self.moving[key])
-            else:
-                if old is not None:  # it had owners, and none of them is still here
-                    self.stats.slots_lost += 1
+            else:  # a new swarm's slot: nobody ever had it
                 fresh[mv.table].append(mv.slot)
                 self.stats.slots_created += 1
         for name, slots in fresh.items():
