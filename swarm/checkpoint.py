@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .trainer import safetensors_metadata
+
 DENSE, RESIDUAL, TABLES, META = "dense.safetensors", "residual.safetensors", "tables.safetensors", "checkpoint.json"
 FORMAT = "swarm-checkpoint-1"
 
@@ -71,7 +73,7 @@ def parse_tables_blob(blob: bytes, layout: str) -> dict[str, dict[int, dict[str,
     """{table: {slot: tensors}}; shapes and values are checked again by TableShard.import_slot."""
     try:
         tensors = st_load(blob)
-        meta = _metadata(blob)
+        meta = safetensors_metadata(blob)
     except Exception as e:
         raise CheckpointError(f"{TABLES} is damaged: {e}") from None
     if meta.get("format") != FORMAT:
@@ -86,18 +88,6 @@ def parse_tables_blob(blob: bytes, layout: str) -> dict[str, dict[int, dict[str,
             raise CheckpointError(f"{TABLES} holds an unexpected tensor {key[:60]!r}")
         out.setdefault(parts[0], {}).setdefault(int(parts[1]), {})[parts[2]] = t
     return out
-
-
-def _metadata(blob: bytes) -> dict[str, str]:
-    if len(blob) < 8:
-        raise ValueError("shorter than a safetensors header")
-    n = int.from_bytes(blob[:8], "little")
-    if n > min(len(blob) - 8, 1 << 24):
-        raise ValueError("header length out of range")
-    meta = json.loads(blob[8:8 + n]).get("__metadata__", {})
-    if not isinstance(meta, dict):
-        raise ValueError("metadata is not a map")
-    return meta
 
 
 @dataclass

@@ -95,7 +95,6 @@ class Peer:
         self.active = False  # contributing gradients (false while a joiner syncs)
         self.started = False  # has begun its first step (joiners then need a state sync)
         self.dropped_sends = 0
-        self.last_stats: dict[str, Any] = {}
         self.last_sketch: list[float] | None = None  # refreshed every few steps on the training thread
         self._runner: web.AppRunner | None = None
 
@@ -417,6 +416,8 @@ class Peer:
                 await self._train()
             if self.trainer.step > 0 or self.cfg.steps:
                 self.progress.val_loss = await self.evaluate()
+                if self.progress.val_loss is not None:  # the status page plots these points
+                    self.progress.val_history.append((self.book.step, self.progress.val_loss))
             sketch = self.last_sketch = await self.work(self.trainer.sketch)
             if self.cfg.checkpoint and self.trainer.step > 0:
                 await self.save_checkpoint()
@@ -580,8 +581,6 @@ class Peer:
                 self.last_sketch = await self.work(self.trainer.sketch)
             if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
                 await self.save_checkpoint()
-            self.last_stats = {"k": enc.k, "mode": enc.mode, "contributors": len(result.on_time),
-                               "late": len(result.late)}
             if time.monotonic() - last_print >= self.cfg.progress_interval:
                 last_print = time.monotonic()
                 self.out(self.progress_line())

@@ -168,7 +168,7 @@ class Trainer:
         """
         try:
             tensors = st_load(blob)
-            meta = _safetensors_metadata(blob)
+            meta = safetensors_metadata(blob)
         except Exception as e:  # safetensors raises its own error types on malformed input
             raise StateError(f"malformed state blob: {e}") from None
         if meta.get("format") != STATE_FORMAT:
@@ -214,7 +214,7 @@ class Trainer:
         return step
 
 
-def _safetensors_metadata(blob: bytes) -> dict[str, str]:
+def safetensors_metadata(blob: bytes) -> dict[str, str]:
     """The __metadata__ map of a safetensors blob (header parsed by hand: 8-byte length + JSON)."""
     if len(blob) < 8:
         raise ValueError("blob shorter than its header length field")
