@@ -40,14 +40,17 @@ class StepStats:
 
 
 class Trainer:
-    def __init__(self, cfg: PeerConfig, corpus: Corpus):
+    def __init__(self, cfg: PeerConfig, corpus: Corpus, device: str = "cpu"):
         self.cfg = cfg
         self.corpus = corpus
+        # the model, its optimizer and each step's batch and rows live on ``device``; gradients,
+        # aggregates and state blobs cross to the host, where the codec and the wire are
+        self.device = torch.device(device)
         # The hashed tables are not part of the replica: they are sharded across the swarm
         # (swarm/tables), and every step brings the rows it needs (see compute()).
         self.model_cfg = ModelConfig(ngram_rows=cfg.table_rows, value_rows=cfg.table_rows, seed=cfg.seed,
                                      local_tables=False)
-        self.model = SwarmLM(self.model_cfg)
+        self.model = SwarmLM(self.model_cfg).to(self.device)
         self.table_specs = [TableSpec(name, cfg.table_rows, self.model_cfg.d_model) for name in TABLES]
         self.manifest = Manifest.from_module(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -86,15 +89,15 @@ class Trainer:
         self.model.train()
         for p in self.params:
             p.grad = None
-        leaves = {name: rows[name].detach().clone().requires_grad_(True) for name in want}
-        table_rows = {name: (torch.from_numpy(want[name]), leaves[name]) for name in want}
-        loss = self.model.loss(batch, table_rows)
+        leaves = {name: rows[name].detach().to(self.device, copy=True).requires_grad_(True) for name in want}
+        table_rows = {name: (torch.from_numpy(want[name]).to(self.device), leaves[name]) for name in want}
+        loss = self.model.loss(batch.to(self.device), table_rows)
         loss.backward()
         flat = self.manifest.flatten_grads(self.model)
         for p in self.params:
             p.grad = None
-        row_grads = {name: (want[name], leaves[name].grad if leaves[name].grad is not None
-                            else torch.zeros_like(leaves[name])) for name in want}
+        row_grads = {name: (want[name], leaves[name].grad.cpu() if leaves[name].grad is not None
+                            else torch.zeros(leaves[name].shape)) for name in want}
         tokens = batch.shape[0] * self.model_cfg.context
         return StepStats(loss=float(loss.detach()), tokens=tokens, grad_norm=float(flat.norm())), flat, row_grads
 
@@ -114,26 +117,37 @@ class Trainer:
         contributions it combined; ``last_report`` keeps their norms and verdicts."""
         self._agg.zero_()
         self.last_report = aggregate_report(self._agg, result, self.robust_cfg)
-        count = self.last_report.count
+        self.apply_aggregate(result.step, self.last_report.count)
+        return self.last_report.count
+
+    @property
+    def aggregate(self) -> torch.Tensor:
+        """The flat fp32 aggregate the last apply() stepped on (a host group's leader sends it to its
+        ranks, which step on the same bits with apply_aggregate)."""
+        return self._agg
+
+    @torch.no_grad()
+    def apply_aggregate(self, step: int, count: int) -> None:
+        """Optimizer step on ``self.aggregate`` as round ``step``'s (no step when nothing was combined)."""
         if count:
             grads = self.manifest.unflatten(self._agg)
             for name, p in zip(self.names, self.params):
-                p.grad = grads[name]
+                p.grad = grads[name].to(self.device)
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(self.step)
             self.opt.step()
             for p in self.params:
                 p.grad = None
-        self.step = result.step + 1
-        return count
+        self.step = step + 1
 
     # -- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> float:
         """Loss on one held-out batch (the node pulls its rows; the batches are identical on every peer)."""
         self.model.eval()
-        table_rows = {name: (torch.from_numpy(want[name]), rows[name]) for name in want}
-        return float(self.model.loss(batch, table_rows))
+        table_rows = {name: (torch.from_numpy(want[name]).to(self.device), rows[name].to(self.device))
+                      for name in want}
+        return float(self.model.loss(batch.to(self.device), table_rows))
 
     @torch.no_grad()
     def sketch(self) -> list[float]:
@@ -145,11 +159,11 @@ class Trainer:
         """Dense parameters and optimizer state as one safetensors blob (for GET /v1/state)."""
         tensors: dict[str, torch.Tensor] = {}
         for name, p in zip(self.names, self.params):
-            tensors["p." + name] = p.detach().contiguous()
+            tensors["p." + name] = p.detach().cpu().contiguous()
             st = self.opt.state.get(p)
             if st:
-                tensors["m." + name] = st["exp_avg"].contiguous()
-                tensors["v." + name] = st["exp_avg_sq"].contiguous()
+                tensors["m." + name] = st["exp_avg"].cpu().contiguous()
+                tensors["v." + name] = st["exp_avg_sq"].cpu().contiguous()
         opt_steps = {float(st["step"]) for st in self.opt.state.values()} if self.opt.state else {0.0}
         meta = {
             "format": STATE_FORMAT,
@@ -207,8 +221,8 @@ class Trainer:
             for name, p in zip(self.names, self.params):
                 self.opt.state[p] = {
                     "step": torch.tensor(float(opt_step)),
-                    "exp_avg": tensors["m." + name].clone(),
-                    "exp_avg_sq": tensors["v." + name].clone(),
+                    "exp_avg": tensors["m." + name].to(p.device, copy=True),
+                    "exp_avg_sq": tensors["v." + name].to(p.device, copy=True),
                 }
         self.step = step
         return step
