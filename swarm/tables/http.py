@@ -118,10 +118,7 @@ class TableClient:
     def _split_local(self, omap, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Ids whose slot this peer owns (primary or replica) are read here: a replica is written
         before the primary acknowledges a push, so its rows are as current as the primary's."""
-        if not len(ids) or self.self_id not in omap.index:
-            return ids[:0], ids
-        me = omap.index[self.self_id]
-        mine = (omap.owner_matrix(table) == me).any(axis=1)[omap.slot_of(table, ids)]
+        mine = omap.owned_mask(self.self_id, table, ids)
         return ids[mine], ids[~mine]
 
     async def _pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str

@@ -195,6 +195,13 @@ class OwnershipMap:
             out["" if o == len(self.members) else self.members[o]] = ids[order[a:b]]
         return out
 
+    def owned_mask(self, peer: str, table: str, ids: np.ndarray) -> np.ndarray:
+        """bool per id: ``peer`` owns the id's slot (as primary or replica)."""
+        if not len(ids) or peer not in self.index:
+            return np.zeros(len(ids), dtype=bool)
+        mine = (self.owner_matrix(table) == self.index[peer]).any(axis=1)
+        return mine[self.slot_of(table, ids)]
+
     def owned_slots(self, peer: str, table: str) -> tuple[np.ndarray, np.ndarray]:
         om = self.owner_matrix(table)
         i = self.index.get(peer)

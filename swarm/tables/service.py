@@ -195,6 +195,22 @@ class TableService:
         self.stats.rows_served += len(ids)
         return self.shards[table].read(ids)
 
+    def read_held(self, table: str, ids: np.ndarray, view: str) -> tuple[torch.Tensor, np.ndarray]:
+        """Rows for a rank of our host group (swarm/group/rows.py): every id whose slot is held here
+        and not being handed over, zeros elsewhere, and the mask of the ids served. The asker falls
+        back to HTTP for the rest; an asker under another view gets nothing (fencing, as over HTTP)."""
+        ok = np.zeros(len(ids), dtype=bool)
+        if self.map is None or view != self.map.view or not len(ids):
+            return torch.zeros(len(ids), self.by_name[table].dim), ok
+        slots = self.map.slot_of(table, ids)
+        moving = np.asarray([s for (t, s) in self.moving if t == table], dtype=np.int64)
+        ok = np.isin(slots, self.shards[table].held_slots()) & ~np.isin(slots, moving)
+        rows = torch.zeros(len(ids), self.by_name[table].dim)
+        if ok.any():
+            rows[torch.from_numpy(ok)] = self.shards[table].read(ids[ok])
+        self.stats.rows_served += int(ok.sum())
+        return rows, ok
+
     def apply_push(self, req: PushRequest) -> dict[str, list[Replay]]:
         """Apply pushed row gradients as the primary; returns {replica peer: [Replay]} to forward."""
         self._fence(req.view)
