@@ -16,7 +16,10 @@ import sys
 from .config import ConfigError, PeerConfig, field_names, from_env
 
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
-A flag on the command line wins over the environment."""
+A flag on the command line wins over the environment.
+
+On a host with several GPUs, `torchrun --nproc-per-node N peer.py [--join HOST:PORT]` starts N ranks
+that join the swarm as one host group (docs/design.md, "Host groups")."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                                         f"invalid payloads) this long (default {d.ban_seconds})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")
     a("--eval-batches", type=int, help=f"held-out batches evaluated at the end (default {d.eval_batches})")
+    a("--eval-every", type=int, help="also evaluate the held-out batches every this many steps, for the val_loss "
+                                     "curve on the status page and in the summary (default 0: only at the end)")
+    a("--device", help="where the model and each step's rows live: auto (this rank's GPU if torch sees one), "
+                       "cpu or cuda (default auto)")
+    a("--backend", help="collectives inside a torchrun host group: auto (nccl on GPUs, gloo otherwise), nccl "
+                        "or gloo (default auto)")
+    a("--group-timeout", type=float, help="seconds a host group's collective waits for the other ranks before "
+                                          f"the group gives up (default {d.group_timeout})")
     a("--checkpoint", help="directory for periodic, atomic checkpoints; a peer started on it resumes from it")
     a("--checkpoint-every", type=float, help=f"seconds between checkpoints (default {d.checkpoint_every})")
     a("--progress-interval", type=float, help=f"seconds between progress lines (default {d.progress_interval})")
@@ -107,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(cfg: PeerConfig) -> int:
+    from .group.comm import GroupError
     from .node import JoinError, Peer
 
     def out(line: str) -> None:
@@ -114,7 +126,7 @@ async def _run(cfg: PeerConfig) -> int:
 
     try:
         peer = Peer(cfg, out=out)
-    except ConfigError as e:
+    except (ConfigError, GroupError) as e:
         sys.stderr.write(f"peer.py: error: {e}\n")
         return 2
     loop = asyncio.get_running_loop()
@@ -123,7 +135,7 @@ async def _run(cfg: PeerConfig) -> int:
     try:
         await peer.start()
         summary = await peer.run()
-    except JoinError as e:
+    except (JoinError, GroupError) as e:
         sys.stderr.write(f"peer.py: error: {e}\n")
         await peer.close()
         return 2

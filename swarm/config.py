@@ -39,6 +39,11 @@ class PeerConfig:
     threads: int = 1
     min_peers: int = 1  # wait until this many peers are alive before the first step
     eval_batches: int = 8
+    eval_every: int = 0  # also evaluate every this many steps (0 = only at the end)
+    device: str = "auto"  # where the model and each step's rows live: auto (a GPU if torch sees one), cpu, cuda
+    # host groups (torchrun; docs/design.md, "Host groups")
+    backend: str = "auto"  # collectives inside a host group: auto (nccl on GPUs, else gloo), nccl, gloo
+    group_timeout: float = 600.0  # a collective waits this long for the other ranks before the group gives up
     # codec
     compression: str = "topk-int8"
     ratio: float = 0.01
@@ -110,6 +115,10 @@ class PeerConfig:
             need(not os.path.exists(self.checkpoint) or os.path.isdir(self.checkpoint),
                  f"--checkpoint {self.checkpoint!r} exists and is not a directory")
         need(self.eval_batches >= 1, f"--eval-batches must be >= 1, got {self.eval_batches}")
+        need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        need(self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.backend in ("auto", "nccl", "gloo"), f"--backend must be auto, nccl or gloo, got {self.backend!r}")
+        need(self.group_timeout > 0, f"--group-timeout must be > 0, got {self.group_timeout}")
         need(self.status_auth in (0, 1), f"--status-auth must be 0 or 1, got {self.status_auth}")
         need(not self.status_auth or bool(self.secret), "--status-auth 1 needs a --secret")
         if self.secret == "generate":

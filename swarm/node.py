@@ -26,6 +26,7 @@ from . import checkpoint, gossip, robust
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import PeerConfig, parse_hostport
 from .data import load_corpus
+from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import (Member, Membership, MembershipConfig, MembershipError, SendLeave, SendPing, SendPingReq,
                          SendSync)
 from .status.timeline import Timeline
@@ -64,7 +65,15 @@ class Peer:
         cfg.validate()
         self.cfg = cfg
         self.out = out
+        # under torchrun this process is one rank of a host group (swarm/group, docs/design.md)
+        self.group_env = GroupEnv.detect()
+        self.group = None  # the HostGroup, once started
         self.id = cfg.peer_id or os.urandom(8).hex()
+        if self.group_env is not None and cfg.peer_id:
+            self.id = f"{cfg.peer_id}-{self.group_env.rank}"
+        if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
+            cfg.checkpoint = os.path.join(cfg.checkpoint, f"rank{self.group_env.rank}")
+        self.resync_lag = RESYNC_LAG
         self.counts = ByteCounts()
         self.dense_bytes = 0  # what sending dense fp32 gradients to the same targets would have cost
         self.progress = Progress()
@@ -82,6 +91,7 @@ class Peer:
         self.table_client: TableClient | None = None
         self._pushes: collections.deque[asyncio.Task] = collections.deque()
         self._last_checkpoint = time.monotonic()
+        self._last_print = time.monotonic()
         self._arrival = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -111,9 +121,16 @@ class Peer:
     async def start(self) -> None:
         """Build the replica, start serving, and join the swarm if --join was given."""
         torch.set_num_threads(self.cfg.threads)
+        genv = self.group_env
+        device = pick_device(self.cfg.device, genv.local_rank if genv else 0)
+        comm = None
+        if genv is not None:
+            # forming the group blocks until every rank is there: on the training thread, where all
+            # of this rank's collectives run
+            comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
         corpus = await self.work(load_corpus, self.cfg.data or None)
         self.corpus_hash = corpus.hash
-        self.trainer = await self.work(Trainer, self.cfg, corpus)
+        self.trainer = await self.work(Trainer, self.cfg, corpus, device)
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
                                 clip_norm=self.cfg.clip_norm or None)
         codec_cfg.validate()
@@ -137,7 +154,8 @@ class Peer:
             print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
+        site = web.TCPSite(self._runner, self.cfg.host, port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.port = port
@@ -157,9 +175,12 @@ class Peer:
                      f"--secret {self.cfg.secret}")
         if self.status_token:
             self.out(f"status page: {self.addr}/?token={self.status_token}")
+        join = self.cfg.join
+        if comm is not None:
+            join = await self._form_group(comm, join)
         resume = await self._read_checkpoint()
-        if self.cfg.join:
-            await self._join()
+        if join:
+            await self._join(join)
         if resume is not None:
             await self._resume(resume)
         await self._update_map()
@@ -204,8 +225,24 @@ class Peer:
                                 tables=tables, step=self.trainer.step, layout=self.table_layout(), peer_id=self.id)
         self._last_checkpoint = time.monotonic()
 
-    async def _join(self) -> None:
-        host, port = parse_hostport(self.cfg.join, what="--join")
+    async def _form_group(self, comm: Comm, join: str) -> str:
+        """Learn the other ranks' ids and addresses; returns whom to join (--join, else rank 0)."""
+        from .group.runner import HostGroup
+
+        ids = await self.work(comm.all_gather_text, self.id)
+        addrs = await self.work(comm.all_gather_text, self.addr)
+        if len(set(ids)) != len(ids):
+            raise JoinError("two ranks of this host group have the same peer id")
+        self.group = HostGroup(self, comm, ids, addrs)
+        self.members.set_meta(group=ids[0], grank=comm.rank)
+        self._event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.trainer.device}); "
+                             f"leader {ids[0][:8]}")
+        if not join and comm.rank > 0:
+            join = addrs[0][len("http://"):]
+        return join
+
+    async def _join(self, join: str) -> None:
+        host, port = parse_hostport(join, what="--join")
         target = f"http://{_bracket(host)}:{port}"
         body = self._hello()
         deadline = time.monotonic() + self.cfg.join_timeout
@@ -247,7 +284,7 @@ class Peer:
     # -- membership shell ----------------------------------------------------------------------
     async def _membership_loop(self) -> None:
         alive_before = set(self.members.alive_ids())
-        live_before = set(self.members.live_ids())
+        live_before: set[str] = set()  # the first pass adopts the map of whoever joined while we started
         last_release = time.monotonic()
         while not self._stop.is_set():
             for action in self.members.tick(time.monotonic()):
@@ -370,9 +407,12 @@ class Peer:
                 pass
 
     def _broadcast(self, enc: Encoded) -> None:
-        """Queue the same bytes for every live peer; a full queue drops its oldest payload."""
+        """Queue the same bytes for every live peer; a full queue drops its oldest payload. The ranks
+        of a host group other than its leader get nothing: they step on their leader's aggregate."""
         for pid in self.members.live_ids(include_self=False):
             m = self.members.get(pid)
+            if m is None or int(m.meta.get("grank", 0) or 0) > 0:
+                continue
             q = self._outboxes.get(pid)
             if q is None:
                 q = self._outboxes[pid] = asyncio.Queue(maxsize=4)
@@ -411,13 +451,14 @@ class Peer:
     async def run(self) -> dict:
         """Train until --steps is reached or stop() is called; then evaluate, leave, and summarise."""
         try:
-            await self._until_ready()
-            if not self._stop.is_set():
-                await self._train()
+            if self.group is not None:  # a rank of a host group: the leader decides (swarm/group/runner.py)
+                await self.group.run()
+            else:
+                await self._until_ready()
+                if not self._stop.is_set():
+                    await self._train()
             if self.trainer.step > 0 or self.cfg.steps:
-                self.progress.val_loss = await self.evaluate()
-                if self.progress.val_loss is not None:  # the status page plots these points
-                    self.progress.val_history.append((self.book.step, self.progress.val_loss))
+                await self._evaluate_now()
             sketch = self.last_sketch = await self.work(self.trainer.sketch)
             if self.cfg.checkpoint and self.trainer.step > 0:
                 await self.save_checkpoint()
@@ -442,11 +483,15 @@ class Peer:
         self.started = True
         self.active = True
 
-    def _announce(self, from_step: int) -> None:
-        """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
+    def take_shard(self) -> None:
+        """Draw batches from our share of the training files (one share per live member)."""
         ids = self.members.alive_ids()
         seed = self.cfg.seed * 7919 + int.from_bytes(self.id.encode()[:8], "little")
         self.trainer.set_shard(ids.index(self.id), len(ids), seed=seed)
+
+    def _announce(self, from_step: int) -> None:
+        """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
+        self.take_shard()
         self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
         self._event("active", f"contributing from step {from_step}")
 
@@ -502,14 +547,20 @@ class Peer:
         rows, missing = await self.table_client.pull(want)
         return batch, want, rows, missing
 
-    def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
-        """Send row gradients to their primaries in the background (at most 2 pushes in flight)."""
+    @staticmethod
+    def drop_missing(row_grads: dict, missing: dict) -> dict:
+        """Row gradients without the rows we never had (zeros were used for them: no update)."""
         grads = {}
         for name, (ids, g) in row_grads.items():
             if name in missing and len(missing[name]):
-                keep = ~np.isin(ids, missing[name], assume_unique=True)  # rows we never had: no update
+                keep = ~np.isin(ids, missing[name], assume_unique=True)
                 ids, g = ids[keep], g[torch.from_numpy(keep)]
             grads[name] = (ids, g)
+        return grads
+
+    def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
+        """Send row gradients to their primaries in the background (at most 2 pushes in flight)."""
+        grads = self.drop_missing(row_grads, missing)
         self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=f"{self.id}:{step}")))
 
     async def _drain_pushes(self, keep: int) -> None:
@@ -535,8 +586,7 @@ class Peer:
         self.active = True
 
     async def _train(self) -> None:
-        self.progress.started_at = time.monotonic()
-        last_print = time.monotonic()
+        self.progress.started_at = self._last_print = time.monotonic()
         prefetched: asyncio.Future | None = None
         while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
             if self._behind() > RESYNC_LAG:
@@ -559,35 +609,57 @@ class Peer:
                 # the next step's rows travel while this step's round completes; they may miss
                 # this step's own row update (one step stale), which is the price of the overlap
                 prefetched = asyncio.ensure_future(self._fetch_batch())
-            self.progress.losses.append(stats.loss)
-            self.progress.tokens += stats.tokens
-            self.progress.contributed += 1
-            self.progress.wire_bytes += enc.wire_bytes
-            self.progress.dense_equiv += enc.dense_bytes
-            self.progress.skipped_steps = self.compressor.skipped_steps
-            exp = await self._wait_round(step)
-            result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
-            if result.timed_out:
-                self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
-            # payloads of banned senders (filed before the ban) leave the round, on every peer alike
-            result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
-            result.late = self.robust.split(result.late, time.monotonic())[0]
-            await self.work(self.trainer.apply, result)
-            for pid in self.robust.observe(self.trainer.last_report, time.monotonic()):
-                self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
-            self.members.set_meta(step=self.book.step)
-            self.timeline.record_step(self, step, stats.loss)  # also shares loss and tok/s as meta
-            if self.book.step % 10 == 0:
-                self.last_sketch = await self.work(self.trainer.sketch)
-            if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
-                await self.save_checkpoint()
-            if time.monotonic() - last_print >= self.cfg.progress_interval:
-                last_print = time.monotonic()
-                self.out(self.progress_line())
+            self.record_contribution(stats, enc)
+            await self.take_round(step)
+            await self.after_step(step, stats.loss)
         if prefetched is not None:
             prefetched.cancel()
             await asyncio.gather(prefetched, return_exceptions=True)
         await self._drain_pushes(keep=0)
+
+    def record_contribution(self, stats: Any, enc: Encoded | None) -> None:
+        """Count a computed step (``enc``: the payload we sent for it, if we sent one)."""
+        p = self.progress
+        p.losses.append(stats.loss)
+        p.tokens += stats.tokens
+        p.contributed += 1
+        if enc is not None:
+            p.wire_bytes += enc.wire_bytes
+            p.dense_equiv += enc.dense_bytes
+            p.skipped_steps = self.compressor.skipped_steps
+
+    async def take_round(self, step: int) -> None:
+        """Wait for round ``step`` (or its deadline), aggregate it and step the replica."""
+        exp = await self._wait_round(step)
+        result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
+        if result.timed_out:
+            self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
+        # payloads of banned senders (filed before the ban) leave the round, on every peer alike
+        result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
+        result.late = self.robust.split(result.late, time.monotonic())[0]
+        await self.work(self.trainer.apply, result)
+        for pid in self.robust.observe(self.trainer.last_report, time.monotonic()):
+            self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
+
+    async def after_step(self, step: int, loss: float) -> None:
+        """After a step was applied: tell the swarm, keep the status series, evaluate, checkpoint, print."""
+        self.members.set_meta(step=self.book.step)
+        self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
+        if self.book.step % 10 == 0:
+            self.last_sketch = await self.work(self.trainer.sketch)
+        if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
+            await self._evaluate_now()
+        if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
+            await self.save_checkpoint()
+        if time.monotonic() - self._last_print >= self.cfg.progress_interval:
+            self._last_print = time.monotonic()
+            self.out(self.progress_line())
+
+    async def _evaluate_now(self) -> None:
+        v = await self.evaluate()
+        self.progress.val_loss = v
+        if v is not None:  # the status page and the summary plot these points
+            self.progress.val_history.append((self.book.step, v))
 
     async def evaluate(self) -> float | None:
         """Mean loss over the fixed held-out batches, with their rows pulled from the owners
@@ -607,7 +679,9 @@ class Peer:
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.linger and not self._stop.is_set():
             others = [self.members.get(p) for p in self.members.live_ids(include_self=False)]
-            if all(m is None or m.meta.get("done") or not m.meta.get("active") for m in others):
+            # contributors, and the ranks of host groups (they evaluate too, though only their leader gossips)
+            if all(m is None or m.meta.get("done") or not (m.meta.get("active") or m.meta.get("grank"))
+                   for m in others):
                 return
             await asyncio.sleep(0.1)
 
@@ -649,6 +723,8 @@ class Peer:
             await self._runner.cleanup()
             self._runner = None
         await self.transport.close()
+        if self.group is not None:
+            await asyncio.to_thread(self.group.comm.close)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._table_pool.shutdown(wait=True, cancel_futures=True)
 
@@ -690,6 +766,8 @@ class Peer:
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
             "table_stats": vars(self.tables.stats).copy() if self.tables else None,
             "param_sketch": sketch,
+            "val_history": [[s, round(v, 5)] for s, v in p.val_history],
+            "group": self.group.status() if self.group is not None else None,
         }
 
     def status(self) -> dict:
@@ -723,6 +801,7 @@ class Peer:
             "tables": self.tables.status() if self.tables is not None else None,
             "rows": self.table_client.status() if self.table_client is not None else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
+            "group": self.group.status() if self.group is not None else None,
             # for the status page (docs/protocol.md, "GET /api/status")
             "now": time.time(),
             "compression": self.cfg.compression,

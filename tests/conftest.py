@@ -40,12 +40,14 @@ def rel_l2(a, b) -> float:
 class PeerProcess:
     """`python peer.py ...` with its stdout collected line by line in the background."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, launcher: list[str] | None = None):
         flags = []
         for k, v in SMALL.items():
             flags += [f"--{k.replace('_', '-')}", str(v)]
+        # a launcher (torchrun) starts several processes: kill() reaches them all
+        self.group = bool(launcher)
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "peer.py"), *flags, *args], cwd=ROOT,
+            [*(launcher or [sys.executable]), str(ROOT / "peer.py"), *flags, *args], cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
@@ -74,7 +76,14 @@ class PeerProcess:
     async def finish(self, timeout: float = 120.0) -> tuple[int, dict | None]:
         """Wait for exit; returns (exit code, the JSON summary on the last stdout line or None)."""
         loop = asyncio.get_running_loop()
-        out, _ = await asyncio.wait_for(loop.run_in_executor(None, self._communicate), timeout)
+        reader = loop.run_in_executor(None, self._communicate)
+        try:
+            out, _ = await asyncio.wait_for(asyncio.shield(reader), timeout)
+        except asyncio.TimeoutError:
+            self.kill()  # the reader thread sees EOF and ends; the event loop can then close
+            out, _ = await asyncio.wait_for(reader, 30)
+            self.lines += out.splitlines()
+            raise AssertionError(f"still running after {timeout} s; last lines {self.lines[-5:]}") from None
         self.lines += out.splitlines()
         last = self.lines[-1] if self.lines else ""
         try:
@@ -93,9 +102,49 @@ class PeerProcess:
             return "(running)"
         return self.proc.stderr.read()[-2000:]
 
+    def summaries(self) -> list[dict]:
+        """Every JSON summary line printed (a launcher's ranks print one each)."""
+        out = []
+        for line in self.lines:
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
     def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        """Signal the process; for a launcher, every process it started too (torchrun starts each
+        rank in a session of its own, so a process-group kill would miss them)."""
+        if not self.group:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+            return
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 @pytest.fixture
@@ -103,8 +152,8 @@ def spawn():
     """Start `python peer.py` subprocesses; all are killed at teardown."""
     procs: list[PeerProcess] = []
 
-    def start(*args: str, env: dict | None = None) -> PeerProcess:
-        p = PeerProcess(*args, env=env)
+    def start(*args: str, env: dict | None = None, launcher: list[str] | None = None) -> PeerProcess:
+        p = PeerProcess(*args, env=env, launcher=launcher)
         procs.append(p)
         return p
 

@@ -200,6 +200,9 @@ class Timeline:
             rows.append({
                 "peer_id": m.peer_id, "addr": m.addr, "state": m.state, "incarnation": m.incarnation,
                 "step": step, "active": bool(m.meta.get("active")),
+                # a host group's ranks: the group (its leader's id) and the rank (0 gossips for all)
+                "group": m.meta.get("group") if isinstance(m.meta.get("group"), str) else None,
+                "grank": m.meta.get("grank") if type(m.meta.get("grank")) is int else None,
                 "self": is_self,
                 "lag": max(0, top - step) if m.state in ("alive", "suspect") else None,
                 "loss": loss if isinstance(loss, (int, float)) else None,

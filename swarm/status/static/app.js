@@ -209,7 +209,9 @@ function render(s) {
   $("c-peers").textContent = fmtInt(sw.alive ?? 0);
   $("c-peers-sub").textContent = `${sw.suspect ?? 0} suspect · ${sw.dead ?? 0} dead · ${sw.left ?? 0} left`;
   $("c-step").textContent = fmtInt(sw.step ?? s.step);
-  $("c-step-sub").textContent = `this peer ${fmtInt(s.step)}${s.active ? "" : " (idle)"} · epoch ${sw.epoch ?? 0}`;
+  $("c-step-sub").textContent = `this peer ${fmtInt(s.step)}` +
+    (s.group ? ` · rank ${s.group.rank} of ${s.group.size} (${s.group.backend})` : s.active ? "" : " (idle)") +
+    ` · epoch ${sw.epoch ?? 0}`;
   $("c-tps").textContent = fmtInt(sw.tokens_per_s);
   $("c-tps-sub").textContent = `this peer ${fmtInt(s.tokens_per_s)}`;
   $("c-loss").textContent = fmt(s.loss);
@@ -267,7 +269,8 @@ function renderPeers(s, members) {
     const lagCls = m.lag !== null && m.lag > 4 ? "num lag-bad" : "num";
     const idCell = el("td", { class: "mono", title: m.peer_id },
       el("span", { class: "swatch", style: `background:${peerColor(m.peer_id)}` }),
-      short(m.peer_id) + (m.self ? " (this)" : ""));
+      short(m.peer_id) + (m.self ? " (this)" : "") +
+        (m.group ? ` · rank ${m.grank} of ${short(m.group)}'s group` : ""));
     const tr = el("tr", { "data-peer-id": m.peer_id, class: m.self ? "self" : "" },
       idCell,
       el("td", { class: "mono", text: m.addr }),

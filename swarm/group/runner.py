@@ -1,0 +1,197 @@
+"""One rank's part in a host group: the step loop that keeps the ranks of one torchrun in lockstep.
+
+The group is one member of the gradient gossip and N members of the table map (docs/design.md,
+"Host groups"). Rank 0, the leader, decides what every rank does next and says so with a small
+broadcast at the top of each iteration: take step t, load this state, or stop. A step is the same
+sequence of collectives on every rank, in this order:
+
+  rows:   pull (counts, keys, rows) from the group's owners while the HTTP share runs on the loop
+  compute forward and backward on this rank's own batch
+  rows:   push (counts, keys, gradients, acks) to the group's primaries, the rest over HTTP
+  dense:  all_reduce (mean of the ranks' gradients)
+  round:  the leader compresses the mean, gossips it as the group's one payload, takes the round as
+          any peer does, and broadcasts the aggregate it stepped on; the others step on the same bits
+
+Only the leader's payload goes over HTTP, so the bytes between hosts do not grow with the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..tables.http import replicate
+from .comm import Comm
+from .rows import GroupRows
+
+if TYPE_CHECKING:
+    from ..node import Peer
+
+CMD_STEP, CMD_STATE, CMD_STOP = 1, 2, 3
+
+
+class HostGroup:
+    def __init__(self, peer: "Peer", comm: Comm, rank_ids: list[str], addrs: list[str]):
+        self.peer = peer
+        self.comm = comm
+        self.rank_ids = rank_ids
+        self.addrs = addrs
+        self.rows = GroupRows(comm, rank_ids, peer.trainer.table_specs, row_dtype=peer.cfg.row_dtype,
+                              push_dtype=peer.cfg.push_dtype)
+        self.error: str | None = None
+
+    @property
+    def leader(self) -> bool:
+        return self.comm.rank == 0
+
+    def status(self) -> dict:
+        return {"rank": self.comm.rank, "size": self.comm.world, "backend": self.comm.backend,
+                "leader": self.rank_ids[0], "ranks": self.rank_ids, "device": str(self.peer.trainer.device),
+                "collective_bytes": self.comm.bytes_moved, "rows": vars(self.rows.stats).copy(),
+                "error": self.error}
+
+    # -- the loops -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Lead or follow until the leader stops the group; a broken group (a rank died, a
+        collective timed out) ends this rank's training with an event, not a traceback."""
+        try:
+            if self.leader:
+                await self._lead()
+            else:
+                await self._follow()
+            await self.peer._drain_pushes(keep=0)
+        except RuntimeError as e:  # what torch.distributed raises when a rank is gone
+            self.error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            self.peer._event("group-lost", self.error)
+            self.peer.stop()
+
+    async def _lead(self) -> None:
+        p = self.peer
+        await p._until_ready()
+        await self._send_state()
+        while not p._stop.is_set() and (p.cfg.steps == 0 or p.book.step < p.cfg.steps):
+            if p._behind() > p.resync_lag:
+                await p._resync()
+                await self._send_state()
+                continue
+            step = p.book.step
+            await p.work(self.comm.broadcast_ints, [CMD_STEP, step, 0], 3)
+            await self._step(step)
+        await p.work(self.comm.broadcast_ints, [CMD_STOP, p.book.step, 0], 3)
+
+    async def _send_state(self) -> None:
+        """The leader's replica to every rank: at the start, and after the leader re-synced."""
+        p = self.peer
+        blob = await p.work(p.trainer.state_blob, p.corpus_hash)
+        await p.work(self.comm.broadcast_ints, [CMD_STATE, p.book.step, len(blob)], 3)
+        await p.work(self.comm.broadcast_bytes, blob, len(blob))
+
+    async def _follow(self) -> None:
+        p = self.peer
+        p.progress.started_at = time.monotonic()
+        while True:
+            cmd, step, size = await p.work(self.comm.broadcast_ints, None, 3)
+            if cmd == CMD_STOP:
+                p.book.reset(step)
+                return
+            if cmd == CMD_STATE:
+                blob = await p.work(self.comm.broadcast_bytes, None, size)
+                await p.work(p.trainer.load_state_blob, blob, p.corpus_hash)
+                p.book.reset(step)
+                p.members.set_meta(step=step)
+                if p.trainer.sampler is None:
+                    p.take_shard()
+                    p._event("active", f"following {self.rank_ids[0][:8]} (rank 0) from step {step}")
+                continue
+            if cmd != CMD_STEP or step != p.book.step:
+                raise RuntimeError(f"the leader sent command {cmd} for step {step} at our step {p.book.step}")
+            p.started = True  # from now on a peer that joins through us syncs state first
+            await self._step(step)
+
+    async def _step(self, step: int) -> None:
+        p = self.peer
+        batch, want = await p.work(p.trainer.sample)
+        rows, missing = await self.pull(want)
+        stats, flat, row_grads = await p.work(p.trainer.compute, batch, want, rows)
+        await self.push(row_grads, missing, step)
+        await p.work(self.comm.all_reduce_mean_, flat)
+        enc = None
+        if self.leader:
+            enc = await p.work(p.compressor.compress, flat, step)
+            p.book.offer(enc.decoded)
+            p._broadcast(enc)
+            p.record_contribution(stats, enc)
+            await p.take_round(step)
+            await p.work(self.comm.broadcast_ints, [p.trainer.last_report.count], 1)
+            await p.work(self.comm.broadcast_, p.trainer.aggregate)
+        else:
+            p.record_contribution(stats, None)
+            (count,) = await p.work(self.comm.broadcast_ints, None, 1)
+            await p.work(self.comm.broadcast_, p.trainer.aggregate)
+            await p.work(p.trainer.apply_aggregate, step, count)
+            p.book.reset(step + 1)
+        await p.after_step(step, stats.loss)
+
+    # -- rows ----------------------------------------------------------------------------------
+    async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """A step's rows: the group's share through the collective while the rest (ours, other
+        hosts') comes through TableClient.pull; rows the group did not serve are pulled over HTTP."""
+        p = self.peer
+        omap = p.tables.map
+        per_rank, rest = self.rows.split_pull(omap, want, down=p._suspects())
+        http = asyncio.ensure_future(p.table_client.pull(rest))
+        try:
+            ex = await p.work(self.rows.request, per_rank, omap.view)
+            served = await p.table_work(self.rows.serve, p.tables, ex)
+            got, missed = await p.work(self.rows.receive, ex, served)
+        except BaseException:
+            http.cancel()
+            raise
+        rows = {t: torch.zeros(len(ids), self.rows.dim) for t, ids in want.items()}
+
+        def place(ids_by_table: dict[str, np.ndarray], got_rows: dict[str, torch.Tensor]) -> None:
+            for t, r in got_rows.items():
+                ids = ids_by_table[t]
+                if len(ids):
+                    rows[t][torch.from_numpy(np.searchsorted(want[t], ids))] = r
+
+        rest_rows, missing = await http
+        place(rest, rest_rows)
+        place({t: ids for t, (ids, _) in got.items()}, {t: r for t, (_, r) in got.items()})
+        if missed:  # asked in the group, not served there (a slot on the move, views differing)
+            late_rows, late_missing = await p.table_client.pull(missed)
+            place(missed, late_rows)
+            for t, ids in late_missing.items():
+                missing[t] = np.union1d(missing.get(t, ids[:0]), ids)
+        return rows, missing
+
+    async def push(self, row_grads: dict, missing: dict, step: int) -> None:
+        """Row gradients to their primaries: the group's through the collective (applied before
+        this returns), the rest over HTTP in the background as a plain peer does."""
+        p = self.peer
+        grads = p.drop_missing(row_grads, missing)
+        omap = p.tables.map
+        per_rank, rest = self.rows.split_push(omap, grads)
+        await p._drain_pushes(keep=1)
+        p._pushes.append(asyncio.ensure_future(p.table_client.push(rest, key=f"{p.id}:{step}")))
+        ex = await p.work(self.rows.send_grads, per_rank, omap.view)
+        acks, forward = await p.table_work(self.rows.apply, p.tables, ex, step)
+        if forward:
+            p._spawn(replicate(p.table_client, forward))
+        refused = await p.work(self.rows.exchange_acks, ex, acks, per_rank)
+        if refused:
+            merged: dict[str, list] = {}
+            for parts in refused.values():
+                for t, (ids, g) in parts.items():
+                    merged.setdefault(t, []).append((ids, g))
+            again = {}
+            for t, items in merged.items():
+                ids = np.concatenate([i for i, _ in items])
+                g = torch.cat([x for _, x in items])
+                order = np.argsort(ids)
+                again[t] = (ids[order], g[torch.from_numpy(order)])
+            p._pushes.append(asyncio.ensure_future(p.table_client.push(again, key=f"{p.id}/retry:{step}")))

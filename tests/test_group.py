@@ -1,0 +1,187 @@
+"""Host groups (swarm/group): torchrun ranks on one host, rows and dense gradients moved through
+torch.distributed (gloo on CPU here, NCCL on GPUs), joined with plain HTTP peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.config import PeerConfig
+from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
+from swarm.group.rows import KEY_BITS, GroupRows
+from swarm.tables import OwnershipMap, TableSpec
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+# bench/gpu_check.sh runs these on NCCL and GPUs; CI runs them on gloo and CPUs
+BACKEND = os.environ.get("GROUP_TEST_BACKEND", "gloo")
+DEVICE = os.environ.get("GROUP_TEST_DEVICE", "cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}"]
+
+
+# -- set-up from torchrun's environment ------------------------------------------------------------
+
+def test_group_env_detects_torchrun_and_refuses_what_it_cannot_run():
+    assert GroupEnv.detect({}) is None  # plain `python peer.py`
+    assert GroupEnv.detect({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    env = {"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
+    assert GroupEnv.detect(env) == GroupEnv(rank=2, world=3, local_rank=2)
+    with pytest.raises(GroupError, match="one host"):
+        GroupEnv.detect({**env, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(GroupError, match="integers"):
+        GroupEnv.detect({**env, "RANK": "x"})
+    with pytest.raises(GroupError, match="MASTER_PORT"):
+        GroupEnv.detect({k: v for k, v in env.items() if k != "MASTER_PORT"})
+    with pytest.raises(GroupError, match="RANK 3"):
+        GroupEnv.detect({**env, "RANK": "3"})
+
+
+def test_backend_and_device_choice():
+    assert pick_device("cpu", 0) == "cpu"
+    assert pick_backend("auto", "cpu") == "gloo"
+    assert pick_backend("gloo", "cpu") == "gloo"
+    with pytest.raises(GroupError, match="nccl needs GPU"):
+        pick_backend("nccl", "cpu")
+    if not torch.cuda.is_available():
+        assert pick_device("auto", 0) == "cpu"
+        with pytest.raises(GroupError, match="no CUDA"):
+            pick_device("cuda", 0)
+
+
+def test_bad_group_flags_are_one_line_errors():
+    for flags, env, needle in ((["--backend", "mpi"], {}, "--backend must be"),
+                               (["--device", "tpu"], {}, "--device must be"),
+                               ([], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "one host")):
+        r = subprocess.run([sys.executable, str(ROOT / "peer.py"), *flags], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**os.environ, **env})
+        assert r.returncode == 2, r.stderr
+        assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# -- routing: the one cut both transports share -----------------------------------------------------
+
+class _FakeComm:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+
+def _rows(rank: int = 0, ranks: tuple[str, ...] = ("a", "b")) -> tuple[GroupRows, OwnershipMap]:
+    specs = [TableSpec("ngram", 4096, 8), TableSpec("value", 4096, 8)]
+    omap = OwnershipMap(specs, [*ranks, "http-peer"], replicas=1, slots=64)
+    return GroupRows(_FakeComm(rank, len(ranks)), list(ranks), specs), omap
+
+
+def test_split_pull_and_push_follow_the_ownership_map():
+    rows, omap = _rows()
+    rng = np.random.default_rng(0)
+    want = {t: np.unique(rng.integers(0, 4096, 900)) for t in ("ngram", "value")}
+    per_rank, rest = rows.split_pull(omap, want)
+    assert set(per_rank) == {1}  # the other rank; never ourselves
+    for t, ids in want.items():
+        plan = omap.plan(t, ids)
+        assert np.array_equal(per_rank[1][t], plan["b"])
+        assert np.array_equal(rest[t], np.sort(np.concatenate([plan.get("a", ids[:0]), plan["http-peer"]])))
+    grads = {t: (ids, torch.arange(len(ids), dtype=torch.float32)[:, None].expand(-1, 8)) for t, ids in want.items()}
+    per_rank_g, rest_g = rows.split_push(omap, grads)
+    for t, ids in want.items():
+        sub, g = per_rank_g[1][t]
+        assert np.array_equal(sub, omap.plan(t, ids)["b"])
+        assert torch.equal(g[:, 0], torch.from_numpy(np.searchsorted(ids, sub)).float())  # each id keeps its row
+        assert len(sub) + len(rest_g[t][0]) == len(ids)
+
+
+def test_split_pull_skips_a_suspect_owner_like_the_http_client():
+    rows, _ = _rows()
+    specs = rows.specs
+    omap = OwnershipMap(specs, ["a", "b", "http-peer"], replicas=2, slots=64)
+    want = {"ngram": np.arange(0, 4096, 3)}
+    per_rank, rest = rows.split_pull(omap, want, down={"b"})
+    assert 1 not in per_rank  # b is down: its slots go to their other owner, over HTTP or locally
+    assert np.array_equal(rest["ngram"], want["ngram"])
+
+
+def test_keys_round_trip_and_hostile_keys_are_refused():
+    rows, _ = _rows()
+    keys, counts, sent = rows._pack({1: {"value": np.array([5, 9]), "ngram": np.array([1, 4095])}})
+    assert counts == [0, 4] and [t for _, t, _ in sent] == ["ngram", "value"]
+    runs = rows._unpack(keys.numpy())
+    assert [(t, ids.tolist()) for t, ids in runs] == [("ngram", [1, 4095]), ("value", [5, 9])]
+    assert rows._unpack(np.array([3, 2], dtype=np.int64)) is None  # not sorted
+    assert rows._unpack(np.array([7 << KEY_BITS], dtype=np.int64)) is None  # no such table
+    assert rows._unpack(np.array([4096], dtype=np.int64)) is None  # beyond the table
+    assert rows._unpack(np.array([-1], dtype=np.int64)) is None
+
+
+# -- real ranks ---------------------------------------------------------------------------------
+
+def test_rows_through_the_group_equal_http_and_gradients_land_exactly_once(tmp_path):
+    """Three gloo ranks, each a full peer: rows pulled through all_to_all are bitwise the rows the
+    same owners serve over HTTP, and every pushed gradient row is applied once on its primary and
+    replayed once on its replica (update counters count exactly the ranks that pushed the row)."""
+    r = subprocess.run([*torchrun(3), str(ROOT / "tests" / "group_worker.py"), str(tmp_path), "--backend", BACKEND,
+                        "--device", DEVICE], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(3)]
+    for rep in reports:
+        assert rep["settled"] and rep["warm_pushed"]
+        assert rep["rows_equal_http"] and rep["rows_compared"] > 300 and rep["missing"] == 0
+        assert rep["group_rows"]["rows_pulled"] == rep["rows_compared"] and rep["group_rows"]["rows_missed"] == 0
+        after = rep["group_rows_after"]
+        assert after["grads_sent"] > 300 and after["grads_applied"] > 300 and after["parts_refused"] == 0
+        assert rep["push_failures"] == 0
+        for t, u in rep["updates"].items():
+            assert u["exact"], (rep["rank"], t, u)
+    assert sum(r["group_rows"]["rows_served"] for r in reports) == sum(r["rows_compared"] for r in reports)
+
+
+async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
+    """`torchrun --nproc-per-node 2 peer.py` plus one `peer.py --join` (through rank 1): everyone finishes, the
+    held-out loss falls, the group sends one gradient payload per step (its leader's), and its two
+    replicas stay bit-identical."""
+    steps = "30"
+    common = ("--steps", steps, "--eval-every", "10", "--min-peers", "2", "--linger", "30")
+    port = free_port()  # rank r listens on port + r
+    group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
+                  env={"OMP_NUM_THREADS": "1"})
+    await group.port()
+    # through rank 1, which is not the group's gossiping rank: any member is a way in
+    plain = spawn(*common, "--device", "cpu", "--join", f"127.0.0.1:{port + 1}", "--join-timeout", "60")
+    cp, sp = await plain.finish(240)
+    assert cp == 0, plain.stderr_tail()
+    cg, _ = await group.finish(120)
+    assert cg == 0, group.stderr_tail()
+    ranks = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
+    assert [s["group"]["rank"] for s in ranks] == [0, 1]
+    for s in (*ranks, sp):
+        assert s["steps"] == int(steps)
+        hist = [v for _, v in s["val_history"]]
+        assert len(hist) == 3 and hist[-1] < hist[0], s["val_history"]
+    leader, follower = ranks
+    assert leader["bytes_sent"] > 0 and follower["bytes_sent"] == 0  # one payload per group on the wire
+    assert leader["param_sketch"] == follower["param_sketch"]  # the same aggregate, the same bits
+    assert leader["group"]["rows"]["grads_sent"] + follower["group"]["rows"]["grads_sent"] > 0
+    assert leader["group"]["rows"]["rows_pulled"] + follower["group"]["rows"]["rows_pulled"] > 0
+    assert leader["group"]["error"] is None and follower["group"]["error"] is None
