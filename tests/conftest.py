@@ -106,6 +106,8 @@ class PeerProcess:
         """Every JSON summary line printed (a launcher's ranks print one each)."""
         out = []
         for line in self.lines:
+            if line.startswith("[") and "]:" in line:  # torchrun --tee: "[default<rank>]:" before each line
+                line = line.split("]:", 1)[1]
             if line.startswith("{"):
                 try:
                     out.append(json.loads(line))

@@ -35,8 +35,9 @@ def free_port() -> int:
 
 
 def torchrun(n: int) -> list[str]:
+    """The torchrun command line; --tee 1 makes each rank's stdout whole lines prefixed "[defaultR]:"."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}"]
+            f"--master-port={free_port()}", "--tee=1"]
 
 
 # -- set-up from torchrun's environment ------------------------------------------------------------
@@ -185,3 +186,24 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     assert leader["group"]["rows"]["grads_sent"] + follower["group"]["rows"]["grads_sent"] > 0
     assert leader["group"]["rows"]["rows_pulled"] + follower["group"]["rows"]["rows_pulled"] > 0
     assert leader["group"]["error"] is None and follower["group"]["error"] is None
+
+
+def test_a_group_restarts_from_its_checkpoints(tmp_path):
+    """Each rank checkpoints to DIR/rank<r>; started again on DIR, the group resumes the leader's
+    step and every rank gets its table slots back (the two hand each other their copies)."""
+    def run(steps: int) -> list[dict]:
+        r = subprocess.run([*torchrun(2), str(ROOT / "peer.py"), "--steps", str(steps), "--checkpoint", str(tmp_path),
+                            "--table-rows", "4096", "--table-slots", "256", "--batch-size", "4", "--linger", "1",
+                            "--backend", BACKEND, "--device", DEVICE],
+                           cwd=ROOT, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line.split("]:", 1)[1]) for line in r.stdout.splitlines() if "]:{" in line]
+
+    first = run(4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    again = run(7)
+    assert len(first) == len(again) == 2
+    for s in again:
+        assert s["steps"] == 7 and s["steps_contributed"] == 3  # resumed at step 4
+        assert s["table_stats"]["slots_lost"] == 0 and s["table_stats"]["slots_fetched"] > 0
+    assert again[0]["param_sketch"] == again[1]["param_sketch"]

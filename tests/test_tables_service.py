@@ -144,3 +144,47 @@ def test_slots_a_peer_no_longer_owns_are_released_after_the_grace_period():
     assert a.releasing and a.release(now=100.0 + a.release_after - 1) == 0
     dropped = a.release(now=100.0 + a.release_after + 1)
     assert dropped > 0 and sum(len(sh.slots()) for sh in a.shards.values()) == held - dropped
+
+
+def test_peers_restarted_from_checkpoints_at_once_hand_each_other_their_copies():
+    """Two peers start from checkpoints together: each is fetching the slots the other holds.
+    Each offers the copy it holds, each keeps the newest, and nothing restarts from zeros."""
+    a, b = (TableService(p, SPECS, replicas=2, slots=32) for p in ("p-a", "p-b"))
+    a.set_members(["p-a"], now=0.0)
+    for m in list(a.moving.values()):
+        a.moving.pop((m.table, m.slot))
+    ids = np.arange(0, 256, 5)
+    a.apply_push(PushRequest(view=a.view, key="x:1", ids={"ngram": ids}, grads={"ngram": torch.ones(len(ids), 8)}))
+    blob = {s: a.shards["ngram"].export_slot(s) for s in a.shards["ngram"].slots()}
+    older = {s: {**t, "rows": torch.zeros_like(t["rows"]), "step": torch.zeros_like(t["step"])} for s, t in blob.items()}
+    a2, b2 = (TableService(p, SPECS, replicas=2, slots=32) for p in ("p-a", "p-b"))
+    values = {s: a.shards["value"].export_slot(s) for s in a.shards["value"].slots()}
+    a2.install_checkpoint({"ngram": blob, "value": values})  # a's checkpoint is newer than b's
+    b2.install_checkpoint({"ngram": older, "value": values})
+    fa, fb = a2.set_members(["p-a", "p-b"], 0.0), b2.set_members(["p-a", "p-b"], 0.0)
+    assert fa and fb  # each waits for the other
+    for me, other, moves in ((a2, b2, fa), (b2, a2, fb)):
+        for mv in moves:
+            offers = [other.export_slot_or_fresh(mv.table, mv.slot)] if other.shards[mv.table].has_slot(mv.slot) else []
+            if not me.import_best(mv, offers):
+                me.give_up(mv)
+    for s in blob:
+        assert a2.shards["ngram"].checksum(s) == b2.shards["ngram"].checksum(s) == a.shards["ngram"].checksum(s)
+    assert a2.stats.slots_lost == b2.stats.slots_lost == 0
+
+
+def test_giving_up_on_a_slot_keeps_the_copy_held():
+    (svc,) = (TableService("p-b", SPECS, replicas=2, slots=32),)
+    held = TableService("p-a", SPECS, replicas=1, slots=32)
+    held.set_members(["p-a"], 0.0)
+    copy = held.shards["ngram"].export_slot(0)
+    copy["rows"] += 1.0
+    svc.install_checkpoint({"ngram": {0: copy}})
+    moves = svc.set_members(["p-a", "p-b"], 0.0)
+    mv = next(m for m in moves if (m.table, m.slot) == ("ngram", 0))
+    svc.give_up(mv)  # nobody answered in time
+    assert torch.equal(svc.shards["ngram"].read(np.array([0])), copy["rows"][:1])
+    assert svc.stats.slots_kept == 1 and svc.stats.slots_lost == 0
+    other = next(m for m in moves if (m.table, m.slot) == ("ngram", 1))
+    svc.give_up(other)  # a slot we hold no copy of starts from zeros
+    assert svc.stats.slots_lost == 1

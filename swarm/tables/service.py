@@ -70,6 +70,7 @@ class TableStats:
     slots_fetched: int = 0
     slots_created: int = 0
     slots_lost: int = 0  # slots that had owners, none of whom could hand them over: restarted from zeros
+    slots_kept: int = 0  # ... and that we went on with the (possibly older) copy we held
     slots_released: int = 0
     view_changes: int = 0
 
@@ -300,12 +301,13 @@ class TableService:
     def export_slot(self, table: str, slot: int) -> bytes:
         """A held slot, rows and optimizer state, for a new owner (not fenced: reading is harmless).
 
-        Only an owner's copy is current: a copy kept for release, or one still being fetched, is not."""
+        A copy kept for release, or one we hold while fetching the slot ourselves (a checkpoint's),
+        may be older than the owners': the asker keeps the newest of all the copies it is offered
+        (import_best). Offering it matters when peers restart from checkpoints at the same time:
+        each is fetching the slots the other holds, and neither would ever be answered."""
         if table not in self.shards:
             raise NotPrimary(f"unknown table {table!r}")
         shard = self.shards[table]
-        if (table, slot) in self.moving:
-            raise NotPrimary(f"this peer is still fetching slot {slot} of {table!r}")
         if not shard.has_slot(slot):
             raise NotPrimary(f"this peer does not hold slot {slot} of {table!r}")
         return encode_slot(table, slot, shard.export_slot(slot), self.view or "0" * 16)
@@ -345,8 +347,12 @@ class TableService:
         return True
 
     def give_up(self, move: Move) -> None:
-        """No source could hand the slot over: start it from zeros (its rows are lost)."""
+        """No source could hand the slot over: keep the copy we hold (a checkpoint's, or an older
+        one), else start it from zeros (its rows are lost)."""
         if self.moving.pop((move.table, move.slot), None) is not None:
+            if self.shards[move.table].has_slot(move.slot):
+                self.stats.slots_kept += 1
+                return
             self.shards[move.table].create_slot(move.slot)
             self.stats.slots_lost += 1
             self.stats.slots_created += 1
