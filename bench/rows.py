@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--table-rows", type=int, default=65536)
     ap.add_argument("--slots", type=int, default=4096)
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--dtype", default="fp16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--dtype", default="fp16", choices=["fp32", "fp16", "bf16", "int8"])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2,

@@ -54,8 +54,8 @@ class PeerConfig:
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
     table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
     table_lr: float = 1e-2  # row-wise Adam on the table rows
-    row_dtype: str = "fp16"  # rows on the wire (pull replies)
-    push_dtype: str = "bf16"  # row gradients on the wire
+    row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
+    push_dtype: str = "int8"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # rounds
@@ -96,9 +96,10 @@ class PeerConfig:
         need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
         need(0 < self.table_lr < 1, f"--table-lr must be in (0, 1), got {self.table_lr}")
-        need(self.row_dtype in ("fp32", "fp16", "bf16"), f"--row-dtype must be fp32, fp16 or bf16, got {self.row_dtype!r}")
-        need(self.push_dtype in ("fp32", "fp16", "bf16"),
-             f"--push-dtype must be fp32, fp16 or bf16, got {self.push_dtype!r}")
+        need(self.row_dtype in ("fp32", "fp16", "bf16", "int8"),
+             f"--row-dtype must be fp32, fp16, bf16 or int8, got {self.row_dtype!r}")
+        need(self.push_dtype in ("fp32", "fp16", "bf16", "int8"),
+             f"--push-dtype must be fp32, fp16, bf16 or int8, got {self.push_dtype!r}")
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")

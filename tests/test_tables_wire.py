@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
-from swarm.tables.wire import (PullRequest, PushRequest, WireError, decode_pull, decode_push, decode_replica,
-                               decode_rows, decode_slot, encode_pull, encode_push, encode_replica, encode_rows,
-                               encode_slot)
+from swarm.tables.wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
+                               decode_replay, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
+                               encode_replay, encode_replica, encode_rows, encode_slot, quantize_int8, roundtrip)
 
 torch.set_num_threads(1)
 TABLES = {"ngram": TableSpec("ngram", 1000, 8), "value": TableSpec("value", 500, 8)}
@@ -56,15 +56,16 @@ def test_pull_round_trip():
     assert decode_pull(encode_pull(PullRequest(VIEW, "fp32", {})), TABLES, 1).ids == {}
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8"])
 def test_rows_round_trip(dtype):
     req = PullRequest(VIEW, dtype, {**IDS, "value": np.zeros(0, dtype=np.int64)})
     rows = rows_for(req.ids)
     out = decode_rows(encode_rows(rows, dtype), req, DIMS)
     for t, r in rows:
         assert out[t].dtype == torch.float32 and out[t].shape == r.shape
-        want = r.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]).float()
-        assert torch.equal(out[t], want)
+        assert torch.equal(out[t], roundtrip(r, dtype))  # what the group's collectives carry, too
+        if dtype == "int8" and len(r):  # within half a step of the row's scale
+            assert bool(((out[t] - r).abs() <= r.abs().amax(dim=1, keepdim=True) / 126).all())
     with pytest.raises(WireError):
         decode_rows(encode_rows(rows, "fp32" if dtype != "fp32" else "fp16"), req, DIMS)
     with pytest.raises(WireError):
@@ -73,7 +74,7 @@ def test_rows_round_trip(dtype):
         encode_rows([("ngram", torch.full((1, 8), 1e6))], "fp16") if dtype == "fp16" else decode_rows(b"", req, DIMS)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8"])
 def test_push_round_trip(dtype):
     g = dict(rows_for(IDS))
     data = encode_push(PushRequest(VIEW, "peer-a:42", IDS, g), dtype)
@@ -83,7 +84,9 @@ def test_push_round_trip(dtype):
     tol = 0 if dtype == "fp32" else 1e-2
     for t in IDS:
         assert out.grads[t].dtype == torch.float32
-        assert torch.allclose(out.grads[t], g[t], atol=tol, rtol=tol)
+        assert torch.equal(out.grads[t], roundtrip(g[t], dtype))
+        if dtype != "int8":
+            assert torch.allclose(out.grads[t], g[t], atol=tol, rtol=tol)
     with pytest.raises(WireError):
         decode_push(data, TABLES, max_ids=5)
     with pytest.raises(WireError):
@@ -136,7 +139,7 @@ def test_pull_validation():
 
     assert decode_pull(msg(), TABLES, 10).ids["ngram"].tolist() == [1, 2]
     bad = [
-        msg(v=2), msg(v=True), msg(view="ABCDEF0123456789"), msg(view=VIEW[:-1]), msg(dtype="int8"),
+        msg(v=2), msg(v=True), msg(view="ABCDEF0123456789"), msg(view=VIEW[:-1]), msg(dtype="int4"),
         msg(ids={"nope": b""}), msg(ids={"ngram": struct.pack("<2I", 2, 1)}),
         msg(ids={"ngram": struct.pack("<2I", 1, 1)}), msg(ids={"ngram": struct.pack("<I", 1000)}),
         msg(ids={"ngram": b"\x00\x00\x00"}), msg(ids={"ngram": [1, 2]}), msg(ids=[]), msg(extra=1),
@@ -196,10 +199,14 @@ def test_safetensors_container_validation():
 def _valid_blobs() -> dict[str, bytes]:
     sh, upd = shard_with_update()
     req = PullRequest(VIEW, "fp16", IDS)
+    rp = Replay("ngram", VIEW, "a:1", IDS["ngram"], torch.randn(4, 8), torch.zeros(4, dtype=torch.int64))
     return {
         "pull": encode_pull(req),
         "rows": encode_rows(rows_for(IDS), "fp16"),
+        "rows8": encode_rows(rows_for(IDS), "int8"),
         "push": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "bf16"),
+        "push8": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "int8"),
+        "replay8": encode_replay(rp, "int8"),
         "replica": encode_replica("ngram", upd, VIEW, "a:1"),
         "slot": encode_slot("ngram", 3, sh.export_slot(3), VIEW),
     }
@@ -207,10 +214,14 @@ def _valid_blobs() -> dict[str, bytes]:
 
 VALID = _valid_blobs()
 REQ = PullRequest(VIEW, "fp16", IDS)
+REQ8 = PullRequest(VIEW, "int8", IDS)
 DECODERS = {
     "pull": lambda b: decode_pull(b, TABLES, 64),
     "rows": lambda b: decode_rows(b, REQ, DIMS),
+    "rows8": lambda b: decode_rows(b, REQ8, DIMS),
     "push": lambda b: decode_push(b, TABLES, 64),
+    "push8": lambda b: decode_push(b, TABLES, 64),
+    "replay8": lambda b: decode_replay(b, TABLES, 64),
     "replica": lambda b: decode_replica(b, TABLES),
     "slot": lambda b: decode_slot(b, TABLES, OM),
 }
@@ -278,3 +289,38 @@ def test_fuzz_msgpack_pull(obj):
     if isinstance(obj, dict):
         base = {"v": 1, "view": VIEW, "dtype": "fp32", "ids": obj}
         _only_wire_error("pull", msgpack.packb(base, use_bin_type=True))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(rows=st.lists(st.lists(st.floats(-2.0 ** 100, 2.0 ** 100, width=32) | st.sampled_from([0.0, -0.0, 1e-38, 2.0 ** -140]),
+                              min_size=3, max_size=3), min_size=1, max_size=6))
+def test_int8_round_trip_is_a_fixed_point(rows):
+    """Quantizing what was decoded gives back the same bytes: a primary replays an int8 push to its
+    replicas in int8 and they apply exactly the primary's values."""
+    x = torch.tensor(rows, dtype=torch.float32)
+    once = roundtrip(x, "int8")
+    assert torch.isfinite(once).all()
+    q1, s1 = quantize_int8(once)
+    assert torch.equal(roundtrip(once, "int8"), once)
+    assert torch.equal(q1.float() * s1[:, None], once)
+    amax = x.abs().amax(dim=1, keepdim=True)
+    assert bool(((once - x).abs() <= amax / 126 + 2.0 ** -126).all())
+
+
+def test_int8_blobs_with_bad_scales_are_refused():
+    import safetensors.torch
+
+    req = PullRequest(VIEW, "int8", {"ngram": np.array([1, 2])})
+    q = torch.full((2, 8), 127, dtype=torch.int8)  # x 3e38 overflows
+    for scale in (torch.tensor([1.0, -1.0]), torch.tensor([0.0, 1.0]), torch.tensor([float("nan"), 1.0]),
+                  torch.tensor([3e38, 1.0])):
+        blob = safetensors.torch.save({"ngram": q, "ngram.scale": scale}, metadata={"v": "1"})
+        with pytest.raises(WireError):
+            decode_rows(blob, req, DIMS)
+    with pytest.raises(WireError, match="scale"):  # no scale
+        decode_rows(safetensors.torch.save({"ngram": q}, metadata={"v": "1"}), req, DIMS)
+    push = safetensors.torch.save({"ngram.ids": torch.tensor([1], dtype=torch.int32),
+                                   "ngram.g": torch.ones(1, 8, dtype=torch.int8)},
+                                  metadata={"v": "1", "view": VIEW, "key": "a:1"})
+    with pytest.raises(WireError, match="scale"):
+        decode_push(push, TABLES, 64)

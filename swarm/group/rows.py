@@ -34,11 +34,12 @@ import torch
 from ..tables.ownership import OwnershipMap, TableSpec
 from ..tables.service import Fenced, Moving, NotPrimary, TableService
 from ..tables.shard import ShardError
-from ..tables.wire import PushRequest
+from ..tables.wire import PushRequest, roundtrip
 from .comm import Comm, GroupError
 
 KEY_BITS = 40  # a key is table index << KEY_BITS | row id (--table-rows is at most 2**26)
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# what carries each wire dtype through a collective: int8 values travel dequantized (exact in fp32)
+_CARRIER = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}
 
 PerRank = dict[int, dict[str, np.ndarray]]
 
@@ -70,8 +71,8 @@ class Exchange:
 class GroupRows:
     """The collective transport of one rank's rows (its half of every exchange)."""
 
-    def __init__(self, comm: Comm, rank_ids: list[str], specs: list[TableSpec], row_dtype: str = "fp16",
-                 push_dtype: str = "bf16"):
+    def __init__(self, comm: Comm, rank_ids: list[str], specs: list[TableSpec], row_dtype: str = "int8",
+                 push_dtype: str = "int8"):
         dims = {s.dim for s in specs}
         if len(dims) != 1:
             raise GroupError("a host group moves rows of all tables in one exchange: they need one width")
@@ -82,8 +83,7 @@ class GroupRows:
         self.specs = list(specs)
         self.table_index = {s.name: i for i, s in enumerate(specs)}
         self.dim = dims.pop()
-        self.row_dtype = _DTYPES[row_dtype]
-        self.push_dtype = _DTYPES[push_dtype]
+        self.row_dtype, self.push_dtype = row_dtype, push_dtype
         self.stats = GroupRowStats()
 
     # -- routing: the one cut both transports use ---------------------------------------------
@@ -177,7 +177,7 @@ class GroupRows:
     def serve(self, service: TableService, ex: Exchange) -> torch.Tensor:
         """The rows asked of us (table thread): [asked, dim + 1] in --row-dtype, the last column 1
         where the row was served."""
-        out = torch.zeros(len(ex.asked), self.dim + 1, dtype=self.row_dtype)
+        out = torch.zeros(len(ex.asked), self.dim + 1, dtype=_CARRIER[self.row_dtype])
         for s, start, n in self._sources(ex):
             runs = self._unpack(ex.asked[start:start + n])
             if not n or runs is None:
@@ -185,7 +185,7 @@ class GroupRows:
             at = start
             for table, ids in runs:
                 rows, ok = service.read_held(table, ids, ex.views[s])
-                cast = rows.to(self.row_dtype)
+                cast = roundtrip(rows, self.row_dtype).to(out.dtype)  # the bits an HTTP pull would decode
                 ok &= torch.isfinite(cast).all(dim=1).numpy()  # a row HTTP could not send either
                 sel = torch.from_numpy(np.flatnonzero(ok) + at)
                 out[sel, :self.dim] = cast[torch.from_numpy(ok)]
@@ -219,7 +219,8 @@ class GroupRows:
         """Counts, keys and gradient rows to the primaries of the group (training thread)."""
         ex, _ = self._exchange_keys(per_rank, view)
         parts = [per_rank[r][table][1] for r, table, _ in ex.sent]
-        send = (torch.cat(parts) if parts else torch.zeros(0, self.dim)).to(self.push_dtype)
+        send = roundtrip(torch.cat(parts) if parts else torch.zeros(0, self.dim), self.push_dtype)
+        send = send.to(_CARRIER[self.push_dtype])  # the values an HTTP push would decode
         ex.grads = self.comm.all_to_all(send, ex.send_counts, ex.recv_counts).to(torch.float32)
         self.stats.grads_sent += sum(len(ids) for _, _, ids in ex.sent)
         return ex

@@ -28,12 +28,11 @@ from ..wire import BadRequest, msgpack_response, pack, read_body, unpack_map
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
-from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replay,
+from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, roundtrip, decode_push, decode_replay,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replay, encode_replica, encode_rows)
 
 Work = Callable[..., Awaitable]
 MAX_IDS = 1 << 22  # ids in one pull or push request
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SLOTS_PER_REQUEST = 64
 
 
@@ -60,7 +59,7 @@ class TableClient:
 
     def __init__(self, service: TableService, transport: Transport, work: Work, self_id: str,
                  addr_of: Callable[[str], str | None], down: Callable[[], set[str]],
-                 row_dtype: str = "fp16", push_dtype: str = "bf16", timeout: float = 10.0):
+                 row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0):
         self.service = service
         self.transport = transport
         self.work = work
@@ -189,7 +188,7 @@ class TableClient:
         self.stats.pushes_sent += 1
         if peer == self.self_id:
             # round through the wire dtype as a remote push would, so replicas replay exact values
-            wire = {t: g.to(_TORCH_DTYPES[self.push_dtype]).to(torch.float32) for t, g in parts.items()}
+            wire = {t: roundtrip(g, self.push_dtype) for t, g in parts.items()}
             req = PushRequest(view=view, key=key, ids=sub, grads=wire)
             try:
                 forward = await self.work(self.service.apply_push, req)
@@ -279,14 +278,14 @@ class TableClient:
 async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
     """Send a primary's applied pushes to its replicas and wait for them (bounded); True if all landed.
 
-    Each replica replays the same gradients (bf16 when that is exact, else fp32). A replica that
-    missed an update answers 409 replica-diverged and gets the rows' full state instead."""
+    Each replica replays the same gradients, in the smallest wire dtype that carries them exactly
+    (a push that came in int8 or bf16 replays in it). A replica that missed an update answers 409
+    replica-diverged and gets the rows' full state instead."""
     async def one(peer: str, rp: Replay) -> bool:
         addr = client.addr_of(peer)
         if addr is None:
             return False
-        exact = torch.equal(rp.grads, rp.grads.to(torch.bfloat16).to(torch.float32))
-        body = await asyncio.to_thread(encode_replay, rp, "bf16" if exact else "fp32")
+        body = await asyncio.to_thread(encode_replay, rp, exact_dtype(rp.grads))
         try:
             await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
@@ -310,6 +309,14 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
 
     oks = await asyncio.gather(*(one(p, rp) for p, rps in forward.items() for rp in rps))
     return all(oks)
+
+
+def exact_dtype(g: torch.Tensor) -> str:
+    """The smallest wire dtype that carries ``g`` without changing a bit (replicas replay exactly)."""
+    for dtype in ("int8", "bf16", "fp16"):
+        if torch.equal(roundtrip(g, dtype), g):
+            return dtype
+    return "fp32"
 
 
 def _rows_limit(sub: dict[str, np.ndarray], dims: dict[str, int]) -> int:

@@ -2,7 +2,10 @@
 
     pull request    msgpack  {"v": 1, "view": str, "dtype": str, "ids": {table: bin (uint32 LE)}}
     rows reply      safetensors: one tensor per table of the request, [len(ids), dim], in the asked dtype
-    push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16 [k, dim]; meta v, view, key
+    push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16/I8 [k, dim]; meta v, view, key
+
+int8 ("int8" on the wire) is a tensor of I8 values plus "<name>.scale" F32 [rows]: one power-of-two scale
+per row (see quantize_int8), so that re-quantizing what was decoded gives back the same bytes.
     replica update  safetensors: "ids" I32 [k], "rows" F32 [k, dim], state F32 [k, dim], "step" I64 [k];
                     meta v, table, view, key
     slot hand-off   safetensors: "rows" F32 [n, dim], state F32 [n, dim], "step" I64 [n]; meta v, table, slot, view
@@ -27,21 +30,22 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import state_keys
 
-__all__ = ["WireError", "DTYPES", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
+__all__ = ["WireError", "DTYPES", "quantize_int8", "dequantize_int8", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
 
 VERSION = 1
-DTYPES = {"fp32", "fp16", "bf16"}
+DTYPES = {"fp32", "fp16", "bf16", "int8"}
 MAX_HEADER = 1 << 16          # safetensors JSON header; ours are a few hundred bytes
 MAX_KEY = 256
 _VIEW_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(r"[^\s]{1,200}:(0|[1-9][0-9]{0,18})")
 _INT_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
-_ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I32": ("<i4", 4), "I64": ("<i8", 8)}
+_ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "I8"}
+_ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I8": ("<i1", 1), "I32": ("<i4", 4),
+       "I64": ("<i8", 8)}
 _FLOATS = ("F32", "F16", "BF16")
 _KINDS = ("adam", "adagrad")
 
@@ -232,6 +236,64 @@ def _cast(t: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
     return out
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` [n, d] as int8 values and one scale per row, a power of two with
+    max|row| / scale in (63.5, 127]. Powers of two make the round trip exact: dequantized values
+    q * scale are exact in fp32, and quantizing them again gives the same (q, scale), which is what
+    lets a primary replay an int8 push to its replicas in int8 and keep them bit-identical."""
+    x = x.detach().to("cpu", torch.float32)
+    amax = x.abs().amax(dim=1) if x.shape[0] and x.shape[1] else torch.zeros(x.shape[0])
+    mant, exp = torch.frexp(amax / 127.0)  # amax / 127 = mant * 2**exp, mant in [0.5, 1)
+    exp = torch.where(mant > 0.5, exp, exp - 1).clamp(min=-126, max=127)
+    scale = torch.ldexp(torch.ones_like(amax), exp)
+    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * scale[:, None]
+
+
+def roundtrip(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """fp32 values of ``x`` as a receiver decodes them after sending them in ``dtype``."""
+    _check_dtype(dtype)
+    if dtype == "int8":
+        return dequantize_int8(*quantize_int8(x))
+    return x.detach().to("cpu", _TORCH[dtype]).to(torch.float32)
+
+
+def _put(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, dtype: str, what: str) -> None:
+    """Write float rows ``t`` as ``name`` in ``dtype`` (int8: plus ``name.scale``)."""
+    if dtype != "int8":
+        out[name] = _cast(t, dtype, what)
+        return
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+        raise WireError(f"{what} must be a 2-D float tensor")
+    _finite(t, what)
+    out[name], out[name + ".scale"] = quantize_int8(t)
+
+
+def _take(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, int], what: str) -> torch.Tensor:
+    """Read float rows ``name`` (int8: with ``name.scale``, positive and finite) as fp32, finite."""
+    if name in blob.entries and blob.entries[name][0] == "I8" and "I8" in dtypes:
+        if name + ".scale" not in blob.entries:
+            raise WireError(f"int8 tensor {name[:60]!r} needs {name[:60]!r}.scale")
+        q = blob.get(name, ("I8",), shape)
+        scale = blob.get(name + ".scale", ("F32",), (shape[0],))
+        if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise WireError(f"{what}: scales must be finite and positive")
+        out = dequantize_int8(q, scale)
+    else:
+        out = blob.get(name, tuple(d for d in dtypes if d != "I8"), shape)
+    _finite(out, what)
+    return out
+
+
+def _int8_names(names: set[str], dtype_of: dict[str, str]) -> set[str]:
+    """The names a blob holds for these tensors: each int8 one brings its scale."""
+    return names | {n + ".scale" for n in names if dtype_of.get(n) == "I8"}
+
+
 # ----------------------------------------------------------------------------- pull
 
 def encode_pull(req: PullRequest) -> bytes:
@@ -288,7 +350,7 @@ def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str) -> 
             raise WireError(f"table {name!r} twice")
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             raise WireError(f"rows of {name!r} must be a 2-D tensor")
-        out[name] = _cast(rows, dtype, f"rows of {name!r}")
+        _put(out, name, rows, dtype, f"rows of {name!r}")
     return _save(out, {"v": str(VERSION)})
 
 
@@ -297,13 +359,12 @@ def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int]) -> dic
     """The reply to `req`: exactly its tables, each [len(ids), dim] in req.dtype, finite; returns fp32."""
     blob = _Blob(data)
     _meta(blob.meta, {"v"})
-    blob.names(set(req.ids))
+    blob.names(_int8_names(set(req.ids), {t: _ST_NAME[req.dtype] for t in req.ids}))
     out = {}
     for t, ids in req.ids.items():
         if t not in dim_of:
             raise WireError(f"no dim known for table {t!r}")
-        out[t] = blob.get(t, (_ST_NAME[req.dtype],), (len(ids), int(dim_of[t])))
-        _finite(out[t], f"rows of {t!r}")
+        out[t] = _take(blob, t, (_ST_NAME[req.dtype],), (len(ids), int(dim_of[t])), f"rows of {t!r}")
     return out
 
 
@@ -322,7 +383,7 @@ def encode_push(req: PushRequest, dtype: str = "fp32") -> bytes:
         if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != ids.size:
             raise WireError(f"grads of {t!r} must be [len(ids), dim]")
         out[f"{t}.ids"] = torch.from_numpy(ids.astype(np.int32))
-        out[f"{t}.g"] = _cast(g, dtype, f"grads of {t!r}")
+        _put(out, f"{t}.g", g, dtype, f"grads of {t!r}")
     return _save(out, {"v": str(VERSION), "view": req.view, "key": req.key})
 
 
@@ -336,15 +397,16 @@ def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
     names = {}
     for n in blob.entries:
-        t, _, part = n.rpartition(".")
-        if part not in ("ids", "g"):
+        t, part = (n[:-len(".g.scale")], "g.scale") if n.endswith(".g.scale") else n.rpartition(".")[::2]
+        if part not in ("ids", "g", "g.scale"):
             raise WireError(f"unexpected tensor {n[:60]!r}")
         _spec(tables, t)
         names.setdefault(t, set()).add(part)
     ids, grads, total = {}, {}, 0
     for t, parts in names.items():
-        if parts != {"ids", "g"}:
-            raise WireError(f"table {t!r} needs both {t}.ids and {t}.g")
+        int8 = blob.entries.get(f"{t}.g", ("",))[0] == "I8"
+        if parts != ({"ids", "g", "g.scale"} if int8 else {"ids", "g"}):
+            raise WireError(f"table {t!r} needs {t}.ids and {t}.g (and {t}.g.scale when int8), nothing else")
         spec = tables[t]
         _, shp, _ = blob.entries[f"{t}.ids"]
         if len(shp) != 1:
@@ -353,8 +415,7 @@ def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
         if total > max_ids:
             raise WireError(f"more than max_ids={max_ids} ids")
         ids[t] = _check_ids(blob.get(f"{t}.ids", ("I32",), shp).numpy(), spec.rows, f"push {t!r}")
-        grads[t] = blob.get(f"{t}.g", _FLOATS, (shp[0], spec.dim))
-        _finite(grads[t], f"grads of {t!r}")
+        grads[t] = _take(blob, f"{t}.g", (*_FLOATS, "I8"), (shp[0], spec.dim), f"grads of {t!r}")
     return PushRequest(view, key, ids, grads)
 
 
@@ -506,8 +567,9 @@ def encode_replay(rp: Replay, dtype: str = "fp32") -> bytes:
         raise WireError("replay grads must be [len(ids), dim]")
     if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or tuple(s.shape) != (ids.size,):
         raise WireError("replay pre_step must be int64 [len(ids)]")
-    return _save({"ids": torch.from_numpy(ids.astype(np.int32)), "g": _cast(g, dtype, "replay grads"), "s": s},
-                 {"v": str(VERSION), "table": rp.table, "view": rp.view, "key": rp.key})
+    out = {"ids": torch.from_numpy(ids.astype(np.int32)), "s": s}
+    _put(out, "g", g, dtype, "replay grads")
+    return _save(out, {"v": str(VERSION), "table": rp.table, "view": rp.view, "key": rp.key})
 
 
 @_guard
@@ -518,14 +580,13 @@ def decode_replay(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) ->
     _meta(blob.meta, {"v", "table", "view", "key"})
     spec = _spec(tables, blob.meta["table"])
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
-    blob.names({"ids", "g", "s"})
+    blob.names(_int8_names({"ids", "g", "s"}, {"g": blob.entries.get("g", ("",))[0]}))
     _, shp, _ = blob.entries["ids"]
     if len(shp) != 1 or shp[0] > max_ids:
         raise WireError(f"replay ids must be 1-D with at most {max_ids} entries")
     n = shp[0]
     ids = _check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replay")
-    g = blob.get("g", _FLOATS, (n, spec.dim))
-    _finite(g, "replay grads")
+    g = _take(blob, "g", (*_FLOATS, "I8"), (n, spec.dim), "replay grads")
     s = blob.get("s", ("I64",), (n,))
     if n and int(s.min()) < 0:
         raise WireError("replay pre_step has negative values")
