@@ -24,7 +24,8 @@ What is measured (the same way for every method):
                10 steps (what `peer.py` prints every step with --progress-interval 0), averaged over
                the peers at equal step; time of step k = when the LAST peer finished it. Every batch
                is fresh (seen once, before its update), so this is an unbiased estimate of the loss on
-               the training distribution; the swarm has no periodic held-out evaluation.
+               the training distribution (the same curve for every method: the DDP baselines have no
+               periodic held-out evaluation, though peer.py now has --eval-every).
   val_loss     at the end of the budget, on the same val_batches (8 x batch, swarm.data.val_batches),
                mean over peers.
   time         wall time from the end of step 1 (every method has formed its group by then).
