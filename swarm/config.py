@@ -129,6 +129,10 @@ class PeerConfig:
             need(len(self.secret) >= 16 and self.secret.isprintable() and self.secret.strip() == self.secret,
                  "--secret must be at least 16 printable characters without surrounding spaces "
                  "(or 'generate' on the first peer)")
+        need("~" not in self.peer_id and self.peer_id.strip() == self.peer_id and len(self.peer_id) <= 120
+             and (self.peer_id.isprintable() or not self.peer_id),
+             f"--peer-id must be printable, at most 120 characters, without '~' or surrounding spaces, "
+             f"got {self.peer_id[:40]!r}")
         if self.join:
             parse_hostport(self.join, what="--join")
         if self.advertise:

@@ -68,9 +68,7 @@ class Peer:
         # under torchrun this process is one rank of a host group (swarm/group, docs/design.md)
         self.group_env = GroupEnv.detect()
         self.group = None  # the HostGroup, once started
-        self.id = cfg.peer_id or os.urandom(8).hex()
-        if self.group_env is not None and cfg.peer_id:
-            self.id = f"{cfg.peer_id}-{self.group_env.rank}"
+        self.id = cfg.peer_id or os.urandom(8).hex()  # a rank of a host group: "<rank 0's>~<rank>" (start)
         if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
             cfg.checkpoint = os.path.join(cfg.checkpoint, f"rank{self.group_env.rank}")
         self.resync_lag = RESYNC_LAG
@@ -128,6 +126,8 @@ class Peer:
             # forming the group blocks until every rank is there: on the training thread, where all
             # of this rank's collectives run
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
+            # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
+            self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
         corpus = await self.work(load_corpus, self.cfg.data or None)
         self.corpus_hash = corpus.hash
         self.trainer = await self.work(Trainer, self.cfg, corpus, device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -207,3 +208,24 @@ def test_a_group_restarts_from_its_checkpoints(tmp_path):
         assert s["steps"] == 7 and s["steps_contributed"] == 3  # resumed at step 4
         assert s["table_stats"]["slots_lost"] == 0 and s["table_stats"]["slots_fetched"] > 0
     assert again[0]["param_sketch"] == again[1]["param_sketch"]
+
+
+async def test_killing_a_whole_host_group_loses_no_slot(spawn):
+    """A host group is one failure domain, so its ranks never hold both copies of a slot while other
+    hosts are members: SIGKILL the whole group mid-run and the two plain peers lose no slot."""
+    steps = "40"
+    common = ("--steps", steps, "--min-peers", "2", "--linger", "5")
+    a = spawn(*common)
+    port = await a.port()
+    group = spawn(*common, "--join", f"127.0.0.1:{port}", "--backend", BACKEND, "--device", DEVICE,
+                  launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+    b = spawn(*common, "--join", f"127.0.0.1:{port}")
+    await a.read_until(r"^step (1[2-9]|[2-9]\d)\b", timeout=180)
+    group.kill(signal.SIGKILL)  # torchrun and both ranks: the host is gone
+    (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))
+    assert ca == 0 and cb == 0, (a.stderr_tail(), b.stderr_tail())
+    for s in (sa, sb):
+        assert s["steps"] == int(steps)
+        # no slot lost all its owners: none restarted from zeros, none went on from a stale copy
+        assert s["table_stats"]["slots_lost"] == 0 and s["table_stats"]["slots_kept"] == 0, s["table_stats"]
+    assert sa["param_sketch"] == sb["param_sketch"]

@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from swarm.tables.ownership import Move, OwnershipMap, TableSpec, moves, scores, view_id
+from swarm.tables.ownership import Move, OwnershipMap, TableSpec, host_of, moves, scores, view_id
 
 TABLES = [TableSpec("ngram", 65536, 128), TableSpec("value", 65536, 128)]
 M64 = (1 << 64) - 1
@@ -266,3 +266,34 @@ def test_ranges_merge_consecutive_slots():
     for r in rs:
         for s in range(r["first_slot"], r["last_slot"] + 1):
             assert om.owners("t", s) == (r["primary"], *r["replicas"])
+
+
+@pytest.mark.parametrize("members", [
+    ["g~0", "g~1", "p"],                     # a 2-rank host group and a plain peer
+    ["g~0", "g~1", "g~2", "g~3", "h~0", "h~1", "p", "q"],
+    ["g~0", "g~1", "h~0", "h~1"],
+])
+@pytest.mark.parametrize("r", [2, 3])
+def test_owners_of_a_slot_are_on_distinct_hosts_when_there_are_enough(members, r):
+    """A host that dies (a torchrun group) takes no slot with it while other hosts are members."""
+    specs = [TableSpec("t", 8192, 4)]
+    m = OwnershipMap(specs, members, replicas=r, slots=512)
+    om = m.owner_matrix("t")
+    hosts = np.array([host_of(p) for p in m.members])
+    n_hosts = len(set(hosts))
+    plain_top1 = np.argmax(scores("t", np.arange(512), m.members), axis=1)
+    assert np.array_equal(om[:, 0], plain_top1)  # primaries are the plain rendezvous choice
+    for row in om:
+        assert len(set(row.tolist())) == m.replicas  # distinct members
+        assert len(set(hosts[row].tolist())) == min(m.replicas, n_hosts)
+    by_host = {h: set(np.flatnonzero(hosts == h).tolist()) for h in set(hosts)}
+    for h, idx in by_host.items():  # every slot keeps an owner when any one host dies
+        if n_hosts > 1:
+            assert all(set(row.tolist()) - idx for row in om)
+
+
+def test_a_single_host_group_still_gets_r_owners():
+    m = OwnershipMap([TableSpec("t", 1024, 4)], ["g~0", "g~1", "g~2"], replicas=2, slots=64)
+    om = m.owner_matrix("t")
+    assert all(len(set(r.tolist())) == 2 for r in om)
+    assert host_of("g~3") == "g" and host_of("abc") == "abc"

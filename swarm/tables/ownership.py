@@ -12,6 +12,12 @@ primary first, ties broken by peer id (ascending). The score is bit-exact uint64
 
 A join or leave changes the top-R of a slot only where the joiner/leaver is (or was) in it: about
 R/(N+1) of the slots gain the joiner as an owner, 1/(N+1) as primary. See docs/tables.md.
+
+Hosts: a member id ``"<host>~<rank>"`` (the ranks of a torchrun host group, swarm/group) names the
+host it runs on; any other id is a host of its own. A slot's owners are then the top-scoring members
+on distinct hosts (walking down the score order), so a host that dies takes no slot with it while
+another host is a member; only when fewer hosts than R are members do owners share a host. The
+primary is always the top-scoring member, so primaries move exactly as above.
 """
 from __future__ import annotations
 
@@ -23,7 +29,14 @@ import numpy as np
 
 from swarm.model import hash_symbols, mix64
 
-__all__ = ["TableSpec", "OwnershipMap", "Move", "moves", "view_id", "peer_hash", "table_key", "scores"]
+__all__ = ["TableSpec", "OwnershipMap", "Move", "moves", "view_id", "peer_hash", "table_key", "scores", "host_of"]
+
+HOST_SEP = "~"  # "<host>~<rank>": the ranks of one host group
+
+
+def host_of(member: str) -> str:
+    """The host a member runs on: the part of its id before "~", else the whole id."""
+    return member.split(HOST_SEP, 1)[0]
 
 MAX_ROWS = 2**31 - 1  # ids travel as int32 in pushes / replica updates
 
@@ -154,10 +167,32 @@ class OwnershipMap:
             sc = scores(table, np.arange(self.n_slots(table)), self.members)
             # members are sorted by id and the sort is stable: equal scores fall back to peer id order.
             order = np.argsort(~sc, axis=1, kind="stable")
-            om = np.ascontiguousarray(order[:, :self.replicas]).astype(np.int64)
+            om = np.ascontiguousarray(self._spread(order)).astype(np.int64)
             om.flags.writeable = False
             self._owners[table] = om
         return om
+
+    def _spread(self, order: np.ndarray) -> np.ndarray:
+        """The first R members of each slot's score order on distinct hosts; when there are fewer
+        hosts than R, the best of the rest fill in (in score order)."""
+        hosts = [host_of(m) for m in self.members]
+        if len(set(hosts)) == len(hosts) or self.replicas == 1:
+            return order[:, :self.replicas]  # every member its own host: plain top-R
+        host_idx = np.unique(np.asarray(hosts), return_inverse=True)[1].astype(np.int64)
+        h = host_idx[order]                                   # [n_slots, N] host of each candidate
+        n_slots, n = order.shape
+        taken = np.zeros((n_slots, n), dtype=bool)            # candidate already chosen
+        seen = np.zeros((n_slots, int(host_idx.max()) + 1), dtype=bool)
+        out = np.empty((n_slots, self.replicas), dtype=np.int64)
+        rows = np.arange(n_slots)
+        for r in range(self.replicas):
+            fresh = ~taken & ~seen[rows[:, None], h]          # not chosen, on a host not used yet
+            any_fresh = fresh.any(axis=1)
+            pick = np.where(any_fresh, np.argmax(fresh, axis=1), np.argmax(~taken, axis=1))
+            out[:, r] = order[rows, pick]
+            taken[rows, pick] = True
+            seen[rows, h[rows, pick]] = True
+        return out
 
     def owners(self, table: str, slot: int) -> tuple[str, ...]:
         self.slot_rows(table, slot)  # validates
