@@ -411,7 +411,7 @@ class Peer:
         of a host group other than its leader get nothing: they step on their leader's aggregate."""
         for pid in self.members.live_ids(include_self=False):
             m = self.members.get(pid)
-            if m is None or int(m.meta.get("grank", 0) or 0) > 0:
+            if m is None or _follower(m):
                 continue
             q = self._outboxes.get(pid)
             if q is None:
@@ -680,8 +680,7 @@ class Peer:
         while time.monotonic() - t0 < self.cfg.linger and not self._stop.is_set():
             others = [self.members.get(p) for p in self.members.live_ids(include_self=False)]
             # contributors, and the ranks of host groups (they evaluate too, though only their leader gossips)
-            if all(m is None or m.meta.get("done") or not (m.meta.get("active") or m.meta.get("grank"))
-                   for m in others):
+            if all(m is None or m.meta.get("done") or not (m.meta.get("active") or _follower(m)) for m in others):
                 return
             await asyncio.sleep(0.1)
 
@@ -809,6 +808,12 @@ class Peer:
             "series": self.timeline.series(),
             "log": self.timeline.log(self),
         }
+
+
+def _follower(m: Member) -> bool:
+    """A rank of a host group other than its leader (meta from the network: any type may come)."""
+    rank = m.meta.get("grank")
+    return type(rank) is int and rank > 0
 
 
 def _bracket(host: str) -> str:

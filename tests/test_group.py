@@ -229,3 +229,15 @@ async def test_killing_a_whole_host_group_loses_no_slot(spawn):
         # no slot lost all its owners: none restarted from zeros, none went on from a stale copy
         assert s["table_stats"]["slots_lost"] == 0 and s["table_stats"]["slots_kept"] == 0, s["table_stats"]
     assert sa["param_sketch"] == sb["param_sketch"]
+
+
+def test_group_meta_from_the_network_is_read_defensively():
+    from swarm.membership import Member
+    from swarm.node import _follower
+
+    def member(meta: dict) -> Member:
+        return Member("p", "http://127.0.0.1:1", "alive", 0, 0.0, meta)
+
+    assert _follower(member({"grank": 1})) and not _follower(member({"grank": 0}))
+    for hostile in ("1", "x", 1.5, True, None):  # a peer may gossip any meta value: never a crash
+        assert not _follower(member({"grank": hostile}))
