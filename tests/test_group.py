@@ -206,7 +206,10 @@ def test_a_group_restarts_from_its_checkpoints(tmp_path):
     assert len(first) == len(again) == 2
     for s in again:
         assert s["steps"] == 7 and s["steps_contributed"] == 3  # resumed at step 4
-        assert s["table_stats"]["slots_lost"] == 0 and s["table_stats"]["slots_fetched"] > 0
+        assert s["table_stats"]["slots_lost"] == 0, s["table_stats"]
+    # whichever rank saw the other in its first map fetched the other's copies (rank 0 may have
+    # started alone, on its own checkpoint's slots)
+    assert sum(s["table_stats"]["slots_fetched"] for s in again) > 0
     assert again[0]["param_sketch"] == again[1]["param_sketch"]
 
 
