@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import sys
 import time
@@ -181,11 +180,6 @@ def summarize(results: list) -> dict:
     return {"rows_per_s": rows / wall, "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "rows": rows, "wall_s": wall,
             "remote_share": float(np.mean([r[5] for r in results]))}
-
-
-def median_run(rs: list[dict]) -> dict:
-    """Per field, the median over the repeats."""
-    return {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
 
 
 def median_run(rs: list[dict]) -> dict:

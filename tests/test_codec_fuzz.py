@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import struct
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.config import PeerConfig
 from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
 from swarm.group.rows import KEY_BITS, GroupRows
 from swarm.tables import OwnershipMap, TableSpec

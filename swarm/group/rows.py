@@ -26,7 +26,7 @@ rank; ``serve`` and ``apply`` touch the table service and run on the table threa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -65,7 +65,6 @@ class Exchange:
     views: list[str]  # every rank's view of the membership, by rank
     asked: np.ndarray  # int64 keys the other ranks sent us, by source rank
     grads: torch.Tensor | None = None  # a push's gradient rows, as received (fp32)
-    acks: list[int] = field(default_factory=list)
 
 
 class GroupRows:
