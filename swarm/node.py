@@ -71,7 +71,6 @@ class Peer(MembershipShell):
         self.id = cfg.peer_id or os.urandom(8).hex()  # a rank of a host group: "<rank 0's>~<rank>" (start)
         if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
             cfg.checkpoint = os.path.join(cfg.checkpoint, f"rank{self.group_env.rank}")
-        self.resync_lag = RESYNC_LAG
         self.counts = ByteCounts()
         self.dense_bytes = 0  # what sending dense fp32 gradients to the same targets would have cost
         self.progress = Progress()
@@ -233,7 +232,7 @@ class Peer(MembershipShell):
         addrs = await self.work(comm.all_gather_text, self.addr)
         if len(set(ids)) != len(ids):
             raise JoinError("two ranks of this host group have the same peer id")
-        self.group = HostGroup(self, comm, ids, addrs)
+        self.group = HostGroup(self, comm, ids)
         self.members.set_meta(group=ids[0], grank=comm.rank)
         self._event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.trainer.device}); "
                              f"leader {ids[0][:8]}")

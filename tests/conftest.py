@@ -104,16 +104,7 @@ class PeerProcess:
 
     def summaries(self) -> list[dict]:
         """Every JSON summary line printed (a launcher's ranks print one each)."""
-        out = []
-        for line in self.lines:
-            if line.startswith("[") and "]:" in line:  # torchrun --tee: "[default<rank>]:" before each line
-                line = line.split("]:", 1)[1]
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return json_summaries(self.lines)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         """Signal the process; for a launcher, every process it started too (torchrun starts each
@@ -127,6 +118,20 @@ class PeerProcess:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def json_summaries(lines: list[str]) -> list[dict]:
+    """The JSON objects among stdout lines, torchrun's "[default<rank>]:" prefix (--tee) removed."""
+    out = []
+    for line in lines:
+        if line.startswith("[") and "]:" in line:
+            line = line.split("]:", 1)[1]
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
 
 
 def _descendants(pid: int) -> list[int]:

@@ -19,7 +19,7 @@ from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
 from swarm.group.rows import KEY_BITS, GroupRows
 from swarm.tables import OwnershipMap, TableSpec
 
-from .conftest import ROOT
+from .conftest import ROOT, json_summaries
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -197,7 +197,7 @@ def test_a_group_restarts_from_its_checkpoints(tmp_path):
                             "--backend", BACKEND, "--device", DEVICE],
                            cwd=ROOT, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-3000:]
-        return [json.loads(line.split("]:", 1)[1]) for line in r.stdout.splitlines() if "]:{" in line]
+        return json_summaries(r.stdout.splitlines())
 
     first = run(4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]

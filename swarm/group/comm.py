@@ -172,18 +172,10 @@ class Comm:
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows send[sum(send_counts[:r]):][:send_counts[r]] go to rank r; what we receive comes back
-        concatenated in rank order (the second half of the async pair below)."""
-        out, work = self.all_to_all_start(send, send_counts, recv_counts)
-        work.wait()
-        return out.cpu() if out.device.type != "cpu" else out
-
-    def all_to_all_start(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
-        """Start an all_to_all and return (receive buffer, work): the caller waits on work later,
-        and keeps ``send`` alive until then."""
+        concatenated in rank order, on the host."""
         send = self._to(send.contiguous())
         out = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        work = dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                                      async_op=True)
+        dist.all_to_all_single(out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts)
         mine = send_counts[self.rank] if self.rank < len(send_counts) else 0
         self.bytes_moved += (sum(send_counts) - mine) * (send[0].numel() * send.element_size() if len(send) else 0)
-        return out, work
+        return out.cpu() if out.device.type != "cpu" else out

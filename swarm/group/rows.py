@@ -211,7 +211,7 @@ class GroupRows:
         self.stats.rows_pulled += sum(len(i) for parts in rows.values() for i, _ in parts)
         out_missed = {t: np.sort(np.concatenate(v)) for t, v in missed.items()}
         self.stats.rows_missed += sum(len(v) for v in out_missed.values())
-        return {t: _merge(parts) for t, parts in rows.items()}, out_missed
+        return {t: merge_parts(parts) for t, parts in rows.items()}, out_missed
 
     # -- push ----------------------------------------------------------------------------------
     def send_grads(self, per_rank: dict[int, dict[str, tuple[np.ndarray, torch.Tensor]]], view: str) -> Exchange:
@@ -259,7 +259,8 @@ class GroupRows:
         return refused
 
 
-def _merge(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
+def merge_parts(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
+    """(ids, rows) parts of one table as one part, ids ascending (each id keeps its row)."""
     if len(parts) == 1:
         return parts[0]
     ids = np.concatenate([p[0] for p in parts])

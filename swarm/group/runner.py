@@ -26,7 +26,8 @@ import torch
 
 from ..tables.http import replicate
 from .comm import Comm
-from .rows import GroupRows
+from ..node import RESYNC_LAG
+from .rows import GroupRows, merge_parts
 
 if TYPE_CHECKING:
     from ..node import Peer
@@ -35,11 +36,10 @@ CMD_STEP, CMD_STATE, CMD_STOP = 1, 2, 3
 
 
 class HostGroup:
-    def __init__(self, peer: "Peer", comm: Comm, rank_ids: list[str], addrs: list[str]):
+    def __init__(self, peer: "Peer", comm: Comm, rank_ids: list[str]):
         self.peer = peer
         self.comm = comm
         self.rank_ids = rank_ids
-        self.addrs = addrs
         self.rows = GroupRows(comm, rank_ids, peer.trainer.table_specs, row_dtype=peer.cfg.row_dtype,
                               push_dtype=peer.cfg.push_dtype)
         self.error: str | None = None
@@ -74,7 +74,7 @@ class HostGroup:
         await p._until_ready()
         await self._send_state()
         while not p._stop.is_set() and (p.cfg.steps == 0 or p.book.step < p.cfg.steps):
-            if p._behind() > p.resync_lag:
+            if p._behind() > RESYNC_LAG:
                 await p._resync()
                 await self._send_state()
                 continue
@@ -184,14 +184,9 @@ class HostGroup:
             p._spawn(replicate(p.table_client, forward))
         refused = await p.work(self.rows.exchange_acks, ex, acks, per_rank)
         if refused:
-            merged: dict[str, list] = {}
+            by_table: dict[str, list] = {}
             for parts in refused.values():
-                for t, (ids, g) in parts.items():
-                    merged.setdefault(t, []).append((ids, g))
-            again = {}
-            for t, items in merged.items():
-                ids = np.concatenate([i for i, _ in items])
-                g = torch.cat([x for _, x in items])
-                order = np.argsort(ids)
-                again[t] = (ids[order], g[torch.from_numpy(order)])
+                for t, part in parts.items():
+                    by_table.setdefault(t, []).append(part)
+            again = {t: merge_parts(items) for t, items in by_table.items()}
             p._pushes.append(asyncio.ensure_future(p.table_client.push(again, key=f"{p.id}/retry:{step}")))

@@ -163,6 +163,10 @@ class TableService:
         if view != self.map.view:
             raise Fenced(f"view {view} differs from this owner's view {self.map.view}", self.map.view)
 
+    def _moving_slots(self, table: str) -> np.ndarray:
+        """int64 slots of ``table`` this peer owns but is still fetching."""
+        return np.asarray([s for (t, s) in self.moving if t == table], dtype=np.int64)
+
     def _held(self, table: str, ids: np.ndarray) -> None:
         """Raise Moving / NotPrimary unless every id's slot is held here and not being handed over.
         Vectorised: a pull touches hundreds of slots, and this runs for every request served."""
@@ -170,9 +174,9 @@ class TableService:
             return
         shard = self.shards[table]
         slots = np.unique(self.map.slot_of(table, ids))
-        moving = [s for (t, s) in self.moving if t == table]
-        if moving:
-            hit = np.intersect1d(slots, np.asarray(moving, dtype=np.int64))
+        moving = self._moving_slots(table)
+        if moving.size:
+            hit = np.intersect1d(slots, moving)
             if hit.size:
                 raise Moving(f"slot {int(hit[0])} of {table!r} is being handed over to this peer")
         missing = slots[~np.isin(slots, shard.held_slots())]
@@ -204,8 +208,7 @@ class TableService:
         if self.map is None or view != self.map.view or not len(ids):
             return torch.zeros(len(ids), self.by_name[table].dim), ok
         slots = self.map.slot_of(table, ids)
-        moving = np.asarray([s for (t, s) in self.moving if t == table], dtype=np.int64)
-        ok = np.isin(slots, self.shards[table].held_slots()) & ~np.isin(slots, moving)
+        ok = np.isin(slots, self.shards[table].held_slots()) & ~np.isin(slots, self._moving_slots(table))
         rows = torch.zeros(len(ids), self.by_name[table].dim)
         if ok.any():
             rows[torch.from_numpy(ok)] = self.shards[table].read(ids[ok])
