@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Slow-network benchmark: the swarm against torch DDP (gloo) on shaped links, in one run.
+"""Slow-network benchmark: the swarm against torch DDP (gloo) and Hivemind on shaped links, in one run.
 
 Needs root (network namespaces and tc); without root it prints one line saying so and exits 0.
 
@@ -17,7 +17,13 @@ and sample budget (--steps x --batch-size x N), one after another:
   swarm-dense  `peer.py` x N, --compression none (dense fp32 gradient payloads)
   ddp-sparse   bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
   ddp-dense    bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
-  Hivemind     not implemented (reported as null)
+  hivemind     bench/hivemind_baseline.py x N: hivemind.Optimizer (tables as dense parameters, like
+               ddp-dense), target batch = batch x N, gradients and parameters averaged in groups found
+               through its DHT (peer 0's multiaddr is the initial peer). Runs when `import hivemind`
+               works in --hivemind-python (default: this interpreter; `pip install -e '.[hivemind]'`),
+               otherwise skipped with the reason in the last line's "hivemind" field. That field also
+               says how many epochs were averaged with other peers and flags a run where peers fell
+               back to training alone.
 
 What is measured (the same way for every method):
   loss curve   each peer's training loss on the batch of each step, as a running mean over its last
@@ -41,6 +47,7 @@ Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one J
 
     sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 60 steps of 16 per peer (~13 min)
     sudo python3 bench/wan.py --steps 10      # quick look
+    sudo python3 bench/wan.py --only hivemind --only ddp-dense --steps 30
 """
 from __future__ import annotations
 
@@ -58,7 +65,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-dense", "ddp-sparse", "ddp-dense")
+METHODS = ("swarm", "swarm-dense", "ddp-sparse", "ddp-dense", "hivemind")
 
 # ----------------------------------------------------------------------------- pure parts (tested)
 
@@ -177,6 +184,7 @@ def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: 
         "bytes_ratio_vs_ddp_whole_run": ratio(runs.get("ddp-dense", {}).get("run_bytes_per_peer"),
                                               sw.get("run_bytes_per_peer")),
         "bytes_ratio_vs_sparse_ddp": ratio(runs.get("ddp-sparse", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
+        "bytes_ratio_vs_hivemind": ratio(runs.get("hivemind", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
         "step_time_over_compute_floor": ratio(sw.get("step_time_s"), floor_contended),
         "step_time_over_solo_compute_floor": ratio(sw.get("step_time_s"), floor_solo),
         "compute_floor_step_s": None if floor_contended is None else round(floor_contended, 4),
@@ -190,10 +198,85 @@ def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: 
     return out
 
 
+def parse_hivemind_maddrs(lines: list[str]) -> list[str]:
+    """The multiaddrs of bench/hivemind_baseline.py's `hivemind listening on MADDR [MADDR ...]` line."""
+    for line in lines:
+        if line.startswith("hivemind listening on "):
+            return line[len("hivemind listening on "):].split()
+    return []
+
+
+def pick_maddr(maddrs: list[str], ip: str) -> str | None:
+    """The multiaddr on `ip` (the namespace's address), else the first non-loopback one, else None."""
+    for m in maddrs:
+        if m.startswith(f"/ip4/{ip}/"):
+            return m
+    others = [m for m in maddrs if not m.startswith("/ip4/127.")]
+    return others[0] if others else None
+
+
+def hivemind_health(summaries: list[dict], peers: int) -> dict:
+    """Did Hivemind's peers train together? From the peers' summary lines: the final epoch, how many
+    gradient rounds were averaged with a group of >1 peer (`collaborative_epochs`, the fewest over
+    peers) or ended with local gradients only (`local_epochs`, the most), and a `warning` when a peer
+    is missing or more of its rounds were local than collaborative (it trained mostly alone)."""
+    out: dict = {"peers_reporting": len(summaries)}
+    if not summaries:
+        return {**out, "warning": "no hivemind peer printed a summary"}
+    collab = [int(s.get("collaborative_epochs") or 0) for s in summaries]
+    local = [int(s.get("local_epochs") or 0) for s in summaries]
+    sizes = [s["mean_group_size"] for s in summaries if s.get("mean_group_size") is not None]
+    steps = [int(s.get("steps") or 0) for s in summaries]
+    epochs = [int(s.get("epoch") or 0) for s in summaries]
+    out.update(epochs=max(epochs), collaborative_epochs=min(collab), local_epochs=max(local),
+               mean_group_size=round(sum(sizes) / len(sizes), 2) if sizes else None,
+               local_steps_per_epoch=round(max(steps) / max(epochs), 2) if max(epochs) else None)
+    problems = []
+    if len(summaries) < peers:
+        problems.append(f"{peers - len(summaries)} of {peers} peers printed no summary")
+    if any(lo > c for c, lo in zip(collab, local)):
+        problems.append("some peers fell back to local training on most epochs")
+    elif max(local) > 0:
+        problems.append(f"up to {max(local)} epochs ended with local gradients only")
+    if problems:
+        out["warning"] = "; ".join(problems)
+    return out
+
+
 def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
     if step_s is None or floor_s is None or step_s <= 0:
         return None
     return round(max(0.0, 1.0 - floor_s / step_s), 3)
+
+
+def parse_stat(text: str) -> tuple[int, int, int, int] | None:
+    """/proc/PID/stat -> (ppid, pgid, sid, start time in ticks); None if malformed. The command name
+    (field 2) may hold spaces and parentheses, so fields are counted after its LAST ')'."""
+    _, paren, rest = text.rpartition(")")
+    f = rest.split()
+    if not paren or len(f) < 20:
+        return None
+    try:
+        return int(f[1]), int(f[2]), int(f[3]), int(f[19])
+    except ValueError:
+        return None
+
+
+def related(leader: int, table: dict[int, tuple[int, int, int, int]]) -> set[int]:
+    """Processes tied to `leader` in a {pid: (ppid, pgid, sid, start)} table: its descendants (also
+    those that left its session, like hivemind's torch_shm_manager) and every member of its process
+    group or session (also orphans whose parent has exited). `leader` itself is not included."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_rest) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [leader]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out and c != leader:
+                out.add(c)
+                todo.append(c)
+    out |= {pid for pid, (_, pgid, sid, _s) in table.items() if leader in (pgid, sid) and pid != leader}
+    return out
 
 
 def root_check() -> str | None:
@@ -206,6 +289,37 @@ def root_check() -> str | None:
 # ----------------------------------------------------------------------------- processes
 
 _PROCS: list[subprocess.Popen] = []
+_TREES: dict[int, dict[int, int]] = {}  # leader pid -> {related pid: its start time}, see _watch
+_WATCH: list[threading.Thread] = []
+
+
+def proc_table() -> dict[int, tuple[int, int, int, int]]:
+    """{pid: (ppid, pgid, sid, start)} of every process now (from /proc)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                st = parse_stat((d / "stat").read_text())
+            except OSError:
+                continue
+            if st:
+                out[int(d.name)] = st
+    return out
+
+
+def _watch() -> None:
+    """Every 0.5 s, remember the processes related to each running child (see `related`), so that
+    kill() also finds those that leave its process group or outlive it (hivemind starts a p2pd daemon,
+    averager processes and torch_shm_manager, which calls setsid)."""
+    while True:
+        live = [p for p in list(_PROCS) if p.poll() is None]
+        if live:
+            table = proc_table()
+            for p in live:
+                tree = _TREES.setdefault(p.pid, {})
+                for pid in related(p.pid, table):
+                    tree.setdefault(pid, table[pid][3])
+        time.sleep(0.5)
 
 
 class Proc:
@@ -216,6 +330,9 @@ class Proc:
                                   stderr=open(log, "w") if log else subprocess.DEVNULL,
                                   env={**os.environ, **(env or {})}, start_new_session=True)
         _PROCS.append(self.p)
+        if not _WATCH:
+            _WATCH.append(threading.Thread(target=_watch, daemon=True))
+            _WATCH[0].start()
         self.lines: list[tuple[float, str]] = []
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
@@ -238,18 +355,47 @@ class Proc:
 
 
 def kill(p: subprocess.Popen) -> None:
-    if p.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
+    """SIGTERM, then SIGKILL, to the child's process group while the child runs, and to every process
+    seen related to it (see _watch) that still runs, also after the child itself has exited."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        left = _stragglers(p)
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 3.0
+        while time.time() < deadline and (p.poll() is None or _stragglers(p)):
+            time.sleep(0.05)
+        if p.poll() is not None and not _stragglers(p):
             return
-        try:
-            p.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+
+
+def _stragglers(p: subprocess.Popen) -> list[int]:
+    """The processes related to `p` (as recorded by _watch, or found now while `p` runs, so that its
+    pid cannot have been reused) that still run: same pid and start time, not zombies."""
+    table = proc_table()
+    tree = dict(_TREES.get(p.pid, {}))
+    if p.poll() is None:
+        for pid in related(p.pid, table):
+            tree.setdefault(pid, table[pid][3])
+    out = []
+    for pid, start in tree.items():
+        if pid in table and table[pid][3] == start and not _zombie(pid):
+            out.append(pid)
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def kill_all() -> None:
@@ -450,6 +596,63 @@ def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
             "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}
 
 
+def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, str | None]:
+    """(version, None) if `import hivemind` works in interpreter `python`, else (None, why not)."""
+    code = f"import sys, {module} as m; sys.stdout.write(str(getattr(m, '__version__', '?')))"
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"cannot run {python}: {e}"
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["exit code %d" % r.returncode])[-1]
+        return None, f"`import {module}` fails in {python} ({last}); pip install -e '.[hivemind]' or pass --hivemind-python"
+    return r.stdout.strip(), None
+
+
+def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
+    """bench/hivemind_baseline.py x N, peer 0 first; the others join its DHT at its multiaddr."""
+    name = "hivemind"
+    tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # also in hivemind's forked helper processes
+
+    def argv(i: int, extra: list[str]) -> list[str]:
+        return [*wan.exec(i), python, str(ROOT / "bench" / "hivemind_baseline.py"), "--index", str(i),
+                "--peers", str(wan.n), "--host", wan.ip(i), "--port", str(7300 + i), "--steps", str(a.steps),
+                "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
+                "--peer-id", f"p{i}", "--threads", "1", "--run-id", f"swarm_wan_{os.getpid()}",
+                "--matchmaking-time", str(a.hivemind_matchmaking_time),
+                "--averaging-timeout", str(a.hivemind_averaging_timeout),
+                "--average-state-every", str(a.hivemind_average_state_every), *extra]
+
+    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-p0.err")]
+    deadline = time.time() + 120
+    maddr = None
+    while maddr is None and time.time() < deadline and procs[0].p.poll() is None:
+        maddr = pick_maddr(parse_hivemind_maddrs([line for _, line in procs[0].lines]), wan.ip(0))
+        time.sleep(0.1)
+    if maddr is None:
+        kill(procs[0].p)
+        return {"curve": [], "exit_codes": [procs[0].p.poll()], "error": "peer 0 printed no multiaddr",
+                **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0,
+                "health": {"warning": "peer 0 printed no multiaddr"}}
+    for i in range(1, wan.n):
+        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-p{i}.err"))
+    sampler = TxSampler([p.p.pid for p in procs])
+    codes = [p.wait(a.run_timeout) for p in procs]
+    samples = sampler.stop()
+    tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
+    parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
+    curve = merge_curves([pts for pts, _, _ in parsed])
+    summaries = [s for _, s, _ in parsed if s]
+    measured_wait = [s["comm_s"] / (s["compute_s"] + s["comm_s"]) for s in summaries
+                     if s.get("compute_s", 0) + s.get("comm_s", 0) > 0]
+    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
+            "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
+            "steps": curve[-1][0] if curve else 0,
+            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None,
+            "health": hivemind_health(summaries, wan.n)}
+
+
 def traffic(tx: list[int], samples, curve) -> dict:
     """Whole-run bytes per peer (interface counters) and the same over the training window only
     (end of step 1 to end of the last step), per step and extrapolated to the whole budget."""
@@ -477,7 +680,8 @@ def plot(runs: dict[str, dict], floor: dict, target: float | None, a, path: Path
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "floor": "0.5"}
+    colors = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
+              "floor": "0.5"}
     per_step = a.batch_size * a.peers
     for name, r in [*runs.items(), ("floor", floor)]:
         c = r.get("curve") or []
@@ -537,7 +741,7 @@ def _f(v, d: int) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo on shaped links (needs root)")
+    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo and Hivemind on shaped links (needs root)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--rate", default="80mbit", help="tbf rate of every link, each direction (default 80mbit ~ 10 MB/s)")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
@@ -552,6 +756,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
     ap.add_argument("--log-dir", default="/tmp/swarm-wan-logs")
+    ap.add_argument("--hivemind-python", default=None,
+                    help="interpreter with `hivemind` installed for the hivemind method (default: this one)")
+    ap.add_argument("--hivemind-matchmaking-time", type=float, default=3.0, help="hivemind.Optimizer matchmaking_time")
+    ap.add_argument("--hivemind-averaging-timeout", type=float, default=60.0,
+                    help="hivemind.Optimizer averaging_timeout (an all-reduce of the dense model takes ~5-10 s at 10 MB/s)")
+    ap.add_argument("--hivemind-average-state-every", type=int, default=1,
+                    help="hivemind.Optimizer average_state_every (hivemind's default 1: parameters averaged every epoch)")
     a = ap.parse_args()
 
     msg = root_check()
@@ -571,7 +782,17 @@ def main() -> int:
     log = Path(a.log_dir)
     log.mkdir(parents=True, exist_ok=True)
     wan = Wan(a.peers, a.rate, f"swwan{os.getpid()}")
-    methods = a.only or list(METHODS)
+    methods = list(a.only or METHODS)
+    hivemind_python = a.hivemind_python or sys.executable
+    hivemind_note: str | dict = "not run (--only)"
+    if "hivemind" in methods:
+        version, why = probe_hivemind(hivemind_python)
+        if version is None:
+            methods.remove("hivemind")
+            hivemind_note = f"skipped: {why}"
+            print(f"hivemind skipped: {why}", flush=True)
+        else:
+            hivemind_note = {"version": version, "python": hivemind_python}
     t_start = time.time()
     runs: dict[str, dict] = {}
     try:
@@ -586,12 +807,17 @@ def main() -> int:
             t0 = time.time()
             if m.startswith("swarm"):
                 runs[m] = run_swarm(wan, a, "topk-int8" if m == "swarm" else "none", log)
+            elif m == "hivemind":
+                runs[m] = run_hivemind(wan, a, log, hivemind_python)
+                print(f"hivemind: {json.dumps(runs[m].get('health') or runs[m].get('error'))}", flush=True)
             else:
                 runs[m] = run_ddp(wan, a, m.split("-")[1], log)
             r = runs[m]
             print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer in training "
                   f"({r['run_bytes_per_peer'] / 1e6:.1f} MB whole run), "
                   f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
+            if isinstance(hivemind_note, dict) and m == "hivemind":
+                hivemind_note.update(r.get("health") or {})
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -604,9 +830,8 @@ def main() -> int:
     for r in runs.values():
         r["time_to_target_s"], r["target_step"] = time_to_target(r["curve"], target) if target is not None else (None, None)
         r["wait_share"] = wait_share(r["step_time_s"], floor["step_time_s"])
-    runs_hm = dict(runs)
-    result = summarize(runs_hm, floor["step_time_s"], solo["step_time_s"], target)
-    result["hivemind"] = "not implemented"
+    result = summarize(runs, floor["step_time_s"], solo["step_time_s"], target)
+    result["hivemind"] = hivemind_note
     result["seconds"] = round(time.time() - t_start, 1)
     print(table(runs, floor, solo, target, a))
     doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "runs": runs}

@@ -115,3 +115,93 @@ def test_without_root_it_says_so_and_exits_0(monkeypatch, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "needs root" in out[0]
     assert called == []
+
+
+# ----------------------------------------------------------------------------- the Hivemind leg (no hivemind needed)
+
+def test_hivemind_maddrs_are_parsed_and_the_namespace_one_is_picked():
+    lines = ["some log", "hivemind listening on /ip4/127.0.0.1/tcp/7300/p2p/Qa /ip4/10.77.0.1/tcp/7300/p2p/Qa",
+             "hivemind ready 4 peers"]
+    maddrs = wan.parse_hivemind_maddrs(lines)
+    assert maddrs == ["/ip4/127.0.0.1/tcp/7300/p2p/Qa", "/ip4/10.77.0.1/tcp/7300/p2p/Qa"]
+    assert wan.pick_maddr(maddrs, "10.77.0.1") == "/ip4/10.77.0.1/tcp/7300/p2p/Qa"
+    assert wan.pick_maddr(maddrs, "10.77.0.9") == "/ip4/10.77.0.1/tcp/7300/p2p/Qa"  # first non-loopback
+    assert wan.pick_maddr(maddrs[:1], "10.77.0.9") is None
+    assert wan.parse_hivemind_maddrs(["hivemind ready 4 peers"]) == []
+
+
+def test_parse_ddp_lines_reads_the_hivemind_baseline_output():
+    lines = ["hivemind listening on /ip4/10.77.0.1/tcp/7300/p2p/Qa", "hivemind ready 2 peers",
+             json.dumps({"step": 1, "t": 10.0, "loss": 5.0, "epoch": 0, "compute_s": 0.1, "comm_s": 0.0}),
+             json.dumps({"step": 2, "t": 14.0, "loss": 4.0, "epoch": 1, "compute_s": 0.1, "comm_s": 3.9}),
+             json.dumps({"index": 0, "steps": 2, "val_loss": 4.2, "epoch": 1, "collaborative_epochs": 1,
+                         "local_epochs": 0})]
+    pts, summary, raw = wan.parse_ddp_lines(lines)
+    assert pts == {1: (10.0, 5.0), 2: (14.0, 4.5)}
+    assert summary["val_loss"] == 4.2 and [r["epoch"] for r in raw] == [0, 1]
+
+
+def test_hivemind_health_flags_peers_that_trained_alone():
+    good = [{"steps": 20, "epoch": 10, "collaborative_epochs": 9, "local_epochs": 1, "mean_group_size": 4.0}
+            for _ in range(4)]
+    h = wan.hivemind_health(good, 4)
+    assert h["epochs"] == 10 and h["collaborative_epochs"] == 9 and h["local_epochs"] == 1
+    assert h["mean_group_size"] == 4.0 and h["local_steps_per_epoch"] == 2.0
+    assert "fell back" not in h["warning"] and "1 epochs" in h["warning"]
+    clean = [dict(s, local_epochs=0) for s in good]
+    assert "warning" not in wan.hivemind_health(clean, 4)
+    alone = clean[:3] + [{"steps": 20, "epoch": 20, "collaborative_epochs": 0, "local_epochs": 20,
+                          "mean_group_size": None}]
+    h = wan.hivemind_health(alone, 4)
+    assert "fell back to local training" in h["warning"] and h["collaborative_epochs"] == 0
+    assert "1 of 4 peers" in wan.hivemind_health(clean[:3], 4)["warning"]
+    assert "no hivemind peer" in wan.hivemind_health([], 4)["warning"]
+    json.dumps(h)
+
+
+def test_summarize_with_hivemind():
+    runs = {"swarm": {"time_to_target_s": 10.0, "bytes_per_peer": 1_000, "step_time_s": 0.6},
+            "hivemind": {"time_to_target_s": 55.0, "bytes_per_peer": 90_000, "step_time_s": 4.0}}
+    out = wan.summarize(runs, floor_contended=0.5, floor_solo=0.2, target=2.5)
+    assert out["speedup_vs_hivemind_time_to_loss"] == 5.5 and out["bytes_ratio_vs_hivemind"] == 90.0
+    assert out["step_time_s"]["hivemind"] == 4.0
+
+
+def test_probe_hivemind_reports_why_not():
+    version, why = wan.probe_hivemind(sys.executable, module="no_such_module_xyz")
+    assert version is None and "no_such_module_xyz" in why and sys.executable in why
+    version, why = wan.probe_hivemind("/nonexistent/python3")
+    assert version is None and "cannot run" in why
+    version, why = wan.probe_hivemind(sys.executable, module="json")
+    assert why is None and version
+
+
+def test_parse_stat_and_related_processes():
+    assert wan.parse_stat("42 (a) b) c) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 777 0 0") == (1, 42, 42, 777)
+    assert wan.parse_stat("garbage") is None
+    table = {10: (1, 10, 10, 1), 11: (10, 10, 10, 2), 12: (11, 12, 12, 3),  # 12: a grandchild that called setsid
+             13: (1, 10, 10, 4),  # an orphan still in the group
+             14: (12, 12, 12, 5), 20: (1, 20, 20, 6), 21: (20, 20, 20, 7)}
+    assert wan.related(10, table) == {11, 12, 13, 14}
+    assert wan.related(20, table) == {21}
+    assert wan.related(99, table) == set()
+
+
+def test_kill_reaches_a_grandchild_that_left_the_session(tmp_path):
+    """Like hivemind's torch_shm_manager: a descendant in its own session survives killpg; kill()
+    must find it (no root, no network)."""
+    pidfile = tmp_path / "grandchild"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    proc = wan.Proc([sys.executable, "-c", code])
+    import time
+    deadline = time.time() + 20
+    while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    time.sleep(1.2)  # let the watcher record it
+    wan.kill(proc.p)
+    assert proc.p.poll() is not None
+    stat = wan.Path(f"/proc/{grandchild}/stat")
+    assert not stat.exists() or stat.read_text().rpartition(")")[2].split()[0] == "Z"
