@@ -59,6 +59,7 @@ class RoundCounter(logging.Handler):
         self.group_sizes: list[int] = []  # one per round averaged with a group (size includes us)
         self.local = 0  # rounds that ended with local gradients only
         self.failed = 0  # of which: averaging started but failed
+        self.out_of_sync = 0  # times this peer found itself behind and downloaded the state from a peer
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -69,11 +70,22 @@ class RoundCounter(logging.Handler):
             self.local += 1
         elif msg.startswith(_LOCAL[2]):
             self.failed += 1
+        elif msg.startswith("Peer is out of sync"):
+            self.out_of_sync += 1
 
 
-def wait_for_peers(dht, key: str, index: int, n: int, timeout: float) -> int:
-    """Announce this peer under `key` in the DHT and wait until `n` peers have (or `timeout` passes);
-    returns how many were seen."""
+def wait_for_peers(dht, opt, key: str, index: int, n: int, timeout: float, lead: float = 2.0) -> int:
+    """A start barrier through the DHT, so that hivemind's first epochs are collaborative:
+
+    1. announce this peer under `key` and wait until `n` peers have;
+    2. prime hivemind's progress tracker: a peer publishes its progress only once it has accumulated
+       samples, and a tracker that sees no peers estimates the next epoch as due at once, so each peer's
+       first steps would each end an epoch alone ("Proceeding with local gradients"), putting it
+       epochs ahead; the others then find themselves out of sync and download the whole state from
+       it. So every peer reports 1 sample (not counted towards the epoch) until its tracker sees all
+       `n`, then 0 again;
+    3. peer 0 publishes a start time `lead` s ahead and every peer sleeps until it: all start together.
+    Returns how many peers the tracker saw."""
     from hivemind.utils import get_dht_time
 
     deadline, seen, stored = time.time() + timeout, 0, 0.0
@@ -84,8 +96,22 @@ def wait_for_peers(dht, key: str, index: int, n: int, timeout: float) -> int:
         found = dht.get(key, latest=True)
         seen = len(found.value) if found is not None and isinstance(found.value, dict) else 0
         if seen >= n or time.time() > deadline:
-            return seen
+            break
         time.sleep(0.2)
+    opt.tracker.report_local_progress(opt.local_epoch, 1, update_global_samples=False)
+    while opt.tracker.global_progress.num_peers < n and time.time() < deadline:
+        time.sleep(0.1)
+    seen = opt.tracker.global_progress.num_peers
+    opt.tracker.report_local_progress(opt.local_epoch, 0, update_global_samples=False)
+    if index == 0:
+        dht.store(f"{key}_start", value=get_dht_time() + lead, expiration_time=get_dht_time() + timeout + 60)
+    while time.time() < deadline + lead:
+        found = dht.get(f"{key}_start", latest=True)
+        if found is not None:
+            time.sleep(max(0.0, found.value - get_dht_time()))
+            break
+        time.sleep(0.1)
+    return seen
 
 
 def main() -> None:
@@ -107,7 +133,12 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--matchmaking-time", type=float, default=3.0,
-                    help="seconds to gather a group (hivemind: 3-5 s for small local runs)")
+                    help="seconds to gather a group (hivemind: 3-5 s for small local runs, 10-15 s over the "
+                         "internet); a round not pre-scheduled starts its all-reduce only this long after "
+                         "the epoch is due, so it adds to the step time")
+    ap.add_argument("--target-group-size", type=int, default=None,
+                    help="close the group once this many peers joined (default: --peers; 0 = hivemind's "
+                         "default, no limit)")
     ap.add_argument("--averaging-timeout", type=float, default=60.0,
                     help="give up an averaging round after this long (hivemind: ~2x the all-reduce time)")
     ap.add_argument("--average-state-every", type=int, default=1, help="average parameters every this many epochs")
@@ -141,6 +172,7 @@ def main() -> None:
     groups = [{"params": dense_params, "lr": args.lr, "betas": (0.9, 0.95)},
               {"params": table_params, "lr": args.table_lr, "betas": (0.9, 0.999)}]
     lr, steps = args.lr, args.steps
+    group = args.peers if args.target_group_size is None else args.target_group_size
     comp = Float16Compression() if args.compression == "fp16" else NoCompression()
     opt = hivemind.Optimizer(
         dht=dht, run_id=args.run_id,
@@ -151,13 +183,13 @@ def main() -> None:
             o, [lambda epoch: lr_at(epoch, lr, steps) / lr, lambda epoch: 1.0]),
         matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
         average_state_every=args.average_state_every,
+        averager_opts={"target_group_size": group or None},
         grad_compression=comp, state_averaging_compression=comp,
         verbose=True,  # INFO logs (to stderr) of every round, counted by RoundCounter
     )
 
-    # like DDP's process group and the swarm's --min-peers: start once every peer is there (hivemind's
-    # progress tracker shows a peer only once it has accumulated samples, so a DHT key of our own)
-    seen = wait_for_peers(dht, f"{args.run_id}_ready", args.index, args.peers, args.join_timeout)
+    # like DDP's process group and the swarm's --min-peers: start once every peer is there
+    seen = wait_for_peers(dht, opt, f"{args.run_id}_ready", args.index, args.peers, args.join_timeout)
     print(f"hivemind ready {seen} peers", flush=True)
 
     compute_total = comm_total = 0.0
@@ -185,7 +217,7 @@ def main() -> None:
     sizes = counter.group_sizes
     summary = {"index": args.index, "steps": args.steps, "val_loss": val_loss, "epoch": opt.local_epoch,
                "collaborative_epochs": sum(1 for s in sizes if s > 1), "local_epochs": counter.local,
-               "failed_rounds": counter.failed, "mean_group_size": round(sum(sizes) / len(sizes), 2) if sizes else None,
+               "failed_rounds": counter.failed, "out_of_sync": counter.out_of_sync, "mean_group_size": round(sum(sizes) / len(sizes), 2) if sizes else None,
                "train_seconds": round(train_seconds, 3), "compute_s": round(compute_total, 3),
                "comm_s": round(comm_total, 3), "dense_params": sum(p.numel() for p in dense_params),
                "table_params": sum(p.numel() for p in table_params),

@@ -219,7 +219,8 @@ def hivemind_health(summaries: list[dict], peers: int) -> dict:
     """Did Hivemind's peers train together? From the peers' summary lines: the final epoch, how many
     gradient rounds were averaged with a group of >1 peer (`collaborative_epochs`, the fewest over
     peers) or ended with local gradients only (`local_epochs`, the most), and a `warning` when a peer
-    is missing or more of its rounds were local than collaborative (it trained mostly alone)."""
+    is missing or more of its rounds were local than collaborative (it trained mostly alone);
+    `out_of_sync` = the most times a peer fell an epoch behind and downloaded the state from another."""
     out: dict = {"peers_reporting": len(summaries)}
     if not summaries:
         return {**out, "warning": "no hivemind peer printed a summary"}
@@ -230,7 +231,8 @@ def hivemind_health(summaries: list[dict], peers: int) -> dict:
     epochs = [int(s.get("epoch") or 0) for s in summaries]
     out.update(epochs=max(epochs), collaborative_epochs=min(collab), local_epochs=max(local),
                mean_group_size=round(sum(sizes) / len(sizes), 2) if sizes else None,
-               local_steps_per_epoch=round(max(steps) / max(epochs), 2) if max(epochs) else None)
+               local_steps_per_epoch=round(max(steps) / max(epochs), 2) if max(epochs) else None,
+               out_of_sync=max(int(s.get("out_of_sync") or 0) for s in summaries))
     problems = []
     if len(summaries) < peers:
         problems.append(f"{peers - len(summaries)} of {peers} peers printed no summary")
@@ -758,7 +760,8 @@ def main() -> int:
     ap.add_argument("--log-dir", default="/tmp/swarm-wan-logs")
     ap.add_argument("--hivemind-python", default=None,
                     help="interpreter with `hivemind` installed for the hivemind method (default: this one)")
-    ap.add_argument("--hivemind-matchmaking-time", type=float, default=3.0, help="hivemind.Optimizer matchmaking_time")
+    ap.add_argument("--hivemind-matchmaking-time", type=float, default=3.0,
+                    help="hivemind.Optimizer matchmaking_time (groups are closed at --peers peers)")
     ap.add_argument("--hivemind-averaging-timeout", type=float, default=60.0,
                     help="hivemind.Optimizer averaging_timeout (an all-reduce of the dense model takes ~5-10 s at 10 MB/s)")
     ap.add_argument("--hivemind-average-state-every", type=int, default=1,
