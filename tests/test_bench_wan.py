@@ -146,7 +146,8 @@ def test_hivemind_health_flags_peers_that_trained_alone():
             for _ in range(4)]
     h = wan.hivemind_health(good, 4)
     assert h["epochs"] == 10 and h["collaborative_epochs"] == 9 and h["local_epochs"] == 1
-    assert h["mean_group_size"] == 4.0 and h["local_steps_per_epoch"] == 2.0
+    assert h["mean_group_size"] == 4.0 and h["local_steps_per_epoch"] == 2.0 and h["out_of_sync"] == 0
+    assert wan.hivemind_health([dict(good[0], out_of_sync=3)] + good[1:], 4)["out_of_sync"] == 3
     assert "fell back" not in h["warning"] and "1 epochs" in h["warning"]
     clean = [dict(s, local_epochs=0) for s in good]
     assert "warning" not in wan.hivemind_health(clean, 4)
