@@ -9,12 +9,13 @@ eps=1e-8) at --lr with the peer's warm-up + cosine schedule for the dense parame
 with the default betas for the tables, final val_loss over val_batches(corpus, batch, 128, 8).
 
 Hivemind in its standard synchronous form: gradients accumulate locally until the peers together
-have --target-batch-size samples (default: --batch-size x --peers, i.e. one collaborative epoch per
-step of every peer, the same global batch as one DDP step), then they are averaged by all-reduce in a
+have --target-batch-size samples (default: --batch-size x --peers, the global batch of one DDP step:
+ideally one collaborative epoch per step of every peer), then they are averaged by all-reduce in a
 group found through the DHT, and every peer runs the same optimizer step (offloaded optimizer);
 parameters are also averaged every --average-state-every epochs (hivemind's default 1). The learning
-rate follows hivemind's epoch (schedule position = epoch, as hivemind requires), which equals the
-local step when every epoch is one step of every peer.
+rate follows hivemind's epoch (schedule position = epoch, as hivemind requires). Hivemind's progress
+tracker sees the other peers' samples with a delay, so in practice an epoch takes a few local steps
+of each peer (on the 10 MB/s links of bench/wan.py about 3): the summary reports the final epoch.
 
 A step here = one local batch (forward, backward, `opt.step()`), so the sample budget is the same as
 the other methods'. Prints, on stdout:
