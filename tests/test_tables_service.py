@@ -188,3 +188,111 @@ def test_giving_up_on_a_slot_keeps_the_copy_held():
     other = next(m for m in moves if (m.table, m.slot) == ("ngram", 1))
     svc.give_up(other)  # a slot we hold no copy of starts from zeros
     assert svc.stats.slots_lost == 1
+
+
+def _push(m, owner_ids, key, g, table="ngram"):
+    return PushRequest(view=m.view, key=key, ids={table: owner_ids}, grads={table: g})
+
+
+def test_a_flush_applies_the_pushes_it_gathered_as_one_update_per_row():
+    """Two peers' pushes of overlapping rows: one optimizer step per row on the summed gradient (as
+    a shard that took that one step), one replay per replica, identical replicas."""
+    svcs = services()
+    m = svcs["p-a"].map
+    ids = np.arange(0, 256, 2)
+    prim, sub = next(iter(m.plan("ngram", ids).items()))
+    a, b = sub[: len(sub) * 2 // 3], sub[len(sub) // 3:]  # the middle third is in both pushes
+    ga, gb = torch.full((len(a), 8), 0.25), torch.full((len(b), 8), -0.5)
+    svc = svcs[prim]
+    ref = TableService(prim, SPECS, replicas=2, slots=32)  # the same rows, stepped once on the sum
+    ref.set_members([prim], now=0.0)
+    before = svc.shards["ngram"].steps(sub).clone()
+    t1 = svc.accept_push(_push(m, a, "p-b:7", ga))
+    t2 = svc.accept_push(_push(m, b, "p-c:7", gb))
+    assert t1 is not None and t2 is not None and t1 != t2
+    assert svc.accept_push(_push(m, a, "p-b:7", ga)) is None  # a repeat while queued
+    assert torch.equal(svc.shards["ngram"].steps(sub), before)  # nothing applied before the flush
+    forward, outcome = svc.flush("int8")
+    assert outcome == {t1: None, t2: None}
+    assert torch.equal(svc.shards["ngram"].steps(sub), before + 1)  # once per row, shared rows too
+    both = np.intersect1d(a, b)
+    summed = torch.zeros(len(sub), 8)
+    summed[torch.from_numpy(np.searchsorted(sub, a))] += ga
+    summed[torch.from_numpy(np.searchsorted(sub, b))] += gb
+    ref.shards["ngram"].apply_grads(sub, summed)
+    assert torch.equal(svc.shards["ngram"].read(sub), ref.shards["ngram"].read(sub))
+    assert svc.stats.rows_combined == len(both) and svc.stats.flushes == 1
+    n_replays = 0
+    for peer, replays in forward.items():
+        assert len(replays) == 1  # one replay per replica and table, whatever the number of pushes
+        for rp in replays:
+            assert svcs[peer].apply_replay(rp) is True
+            n_replays += 1
+    assert n_replays >= 1
+    for slot in np.unique(m.slot_of("ngram", sub)).tolist():
+        assert len({svcs[o].shards["ngram"].checksum(slot) for o in m.owners("ngram", slot)}) == 1
+    assert svc.accept_push(_push(m, b, "p-c:7", gb)) is None  # applied keys stay remembered
+    assert svc.flush("int8") == ({}, {})
+
+
+def test_a_push_whose_map_changed_before_the_flush_is_refused_and_not_remembered():
+    svcs = services()
+    m = svcs["p-a"].map
+    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 5)).items()))
+    svc = svcs[prim]
+    ticket = svc.accept_push(_push(m, sub, "p-b:1", torch.ones(len(sub), 8)))
+    svc.set_members([*PEERS, "p-d"], now=1.0)  # a join: a new view, some slots move
+    forward, outcome = svc.flush("int8")
+    assert forward == {} and isinstance(outcome[ticket], Fenced)
+    assert ("p-b:1", "ngram") not in svc.applied and svc.stats.pushes_applied == 0
+    # the pusher retries under the new map: the key was never applied, so it is not a repeat
+    new = svc.map
+    svc.moving.clear()  # (as if the hand-offs were done)
+    for owner, part in new.plan("ngram", sub).items():
+        if owner == prim:
+            svc.shards["ngram"].create_slots([s for s in np.unique(new.slot_of("ngram", part)).tolist()
+                                              if not svc.shards["ngram"].has_slot(s)])
+            assert svc.accept_push(_push(new, part, "p-b:1", torch.ones(len(part), 8))) is not None
+
+
+def test_pushes_with_huge_gradients_are_refused_before_they_are_queued():
+    from swarm.tables.shard import ShardError
+
+    svcs = services()
+    m = svcs["p-a"].map
+    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 7)).items()))
+    with pytest.raises(ShardError):
+        svcs[prim].accept_push(_push(m, sub, "p-b:1", torch.full((len(sub), 8), 1e30)))
+    assert svcs[prim].pending == {}
+
+
+async def test_the_batcher_answers_each_push_after_one_shared_flush():
+    """PushBatcher: concurrent pushes within the window share a flush; each is answered with its
+    own outcome (a refused one raises), and a replica sees the flushes in order."""
+    import asyncio
+
+    from swarm.tables.http import PushBatcher
+
+    svcs = services(replicas=1)
+    m = svcs["p-a"].map
+    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 3)).items()))
+    svc = svcs[prim]
+
+    class Client:  # what PushBatcher uses of a TableClient
+        service, push_dtype = svc, "int8"
+
+        @staticmethod
+        async def work(fn, *args):
+            return fn(*args)
+
+    batcher = PushBatcher(Client(), window=0.05)
+    pushes = [_push(m, sub, f"p-{i}:3", torch.full((len(sub), 8), 0.1 * (i + 1))) for i in range(3)]
+    bad = _push(m, sub, "p-x:3", torch.ones(len(sub), 8))
+    bad.view = "f" * 16
+    results = await asyncio.gather(*(batcher.submit(p) for p in pushes), batcher.submit(bad), return_exceptions=True)
+    assert results[:3] == [True, True, True] and isinstance(results[3], Fenced)
+    assert svc.stats.flushes == 1 and svc.stats.pushes_applied == 3
+    assert svc.shards["ngram"].steps(sub).tolist() == [1] * len(sub)
+    assert await batcher.submit(pushes[0]) is True  # a repeat: acknowledged, not applied again
+    assert svc.stats.flushes == 1
+    batcher.close()

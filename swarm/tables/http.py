@@ -59,7 +59,8 @@ class TableClient:
 
     def __init__(self, service: TableService, transport: Transport, work: Work, self_id: str,
                  addr_of: Callable[[str], str | None], down: Callable[[], set[str]],
-                 row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0):
+                 row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0,
+                 push_window: float = 0.1):
         self.service = service
         self.transport = transport
         self.work = work
@@ -71,6 +72,7 @@ class TableClient:
         self.timeout = timeout
         self.stats = RowStats()
         self.dims = {s.name: s.dim for s in service.specs}
+        self.batcher = PushBatcher(self, push_window)  # the primary's side of the pushes it receives
 
     # -- pull ---------------------------------------------------------------------------------
     async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
@@ -191,10 +193,9 @@ class TableClient:
             wire = {t: roundtrip(g, self.push_dtype) for t, g in parts.items()}
             req = PushRequest(view=view, key=key, ids=sub, grads=wire)
             try:
-                forward = await self.work(self.service.apply_push, req)
-            except (Fenced, Moving, NotPrimary):
+                await self.batcher.submit(req)
+            except (Fenced, Moving, NotPrimary, ShardError):
                 return False
-            await replicate(self, forward)
             return True
         addr = self.addr_of(peer)
         if addr is None or peer == "":
@@ -275,6 +276,60 @@ class TableClient:
                 "retries": s.retries}
 
 
+class PushBatcher:
+    """The primary's side of row pushes: a push is checked and queued at once (TableService.
+    accept_push); ``window`` seconds after the first one, every queued push is applied together
+    (TableService.flush: one update per row) and the flush's replays go to the replicas, one
+    request per replica and table. Flushes run one at a time, so a replica receives them in the
+    order they were applied. Each push is answered when its flush has been replicated."""
+
+    def __init__(self, client: "TableClient", window: float):
+        self.client = client
+        self.window = window
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._done: dict[int, Exception | None] = {}  # outcomes that arrived before their waiter
+        self._task: asyncio.Task | None = None
+        self.replicated_ok = True
+
+    async def submit(self, req: PushRequest) -> bool:
+        """Apply ``req`` with the next flush; True when its replicas acknowledged it. Raises the
+        service's refusal (Fenced, NotPrimary, Moving, ShardError): at once, or at the flush when
+        the map changed in between."""
+        ticket = await self.client.work(self.client.service.accept_push, req)
+        if ticket is None:
+            return True  # a repeat of a push already applied (or queued)
+        if ticket in self._done:
+            err = self._done.pop(ticket)
+        else:
+            fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+            if self._task is None or self._task.done():
+                self._task = asyncio.ensure_future(self._run())
+            err = await fut
+        if err is not None:
+            raise err
+        return self.replicated_ok
+
+    async def _run(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(self.window)
+            forward, outcome = await self.client.work(self.client.service.flush, self.client.push_dtype)
+            self.replicated_ok = await replicate(self.client, forward)
+            for ticket, err in outcome.items():
+                fut = self._waiting.pop(ticket, None)
+                if fut is None:
+                    self._done[ticket] = err
+                elif not fut.done():
+                    fut.set_result(err)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_result(Moving("this peer is shutting down"))
+        self._waiting.clear()
+
+
 async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
     """Send a primary's applied pushes to its replicas and wait for them (bounded); True if all landed.
 
@@ -313,7 +368,7 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
 
 def exact_dtype(g: torch.Tensor) -> str:
     """The smallest wire dtype that carries ``g`` without changing a bit (replicas replay exactly)."""
-    for dtype in ("int8", "bf16", "fp16"):
+    for dtype in ("int4", "int8", "bf16", "fp16"):
         if torch.equal(roundtrip(g, dtype), g):
             return dtype
     return "fp32"
@@ -395,11 +450,16 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             raise _service_errors(e) from None
 
     async def push(request: web.Request) -> web.Response:
-        peer, forward = await decoded_then_applied(
-            request, "/v1/rows/push", "push request",
-            lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
-            lambda p, req: p.tables.apply_push(req))
-        replicated = await replicate(peer.table_client, forward)
+        peer = ready(request)
+        body = await read_body(request, body_limits(peer.tables)["/v1/rows/push"])
+        try:
+            req = await asyncio.to_thread(decode_push, body, peer.tables.by_name, MAX_IDS)
+        except WireError as e:
+            raise BadRequest(f"bad push request: {e}") from None
+        try:
+            replicated = await peer.table_client.batcher.submit(req)
+        except (Fenced, Moving, NotPrimary, ShardError) as e:
+            raise _service_errors(e) from None
         return web.json_response({"applied": True, "replicated": replicated})
 
     async def replica(request: web.Request) -> web.Response:

@@ -23,6 +23,7 @@ Rules (docs/tables.md):
 from __future__ import annotations
 
 import collections
+import secrets
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -31,7 +32,9 @@ import torch
 
 from .ownership import Move, OwnershipMap, TableSpec, moves
 from .shard import RowOptConfig, ShardError, TableShard
-from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot
+from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
+
+MAX_GRAD = 1e15  # |row gradient| above this is refused: Adam squares it, and a flush sums a few
 
 
 FRESH = 0  # a hand-off offer meaning "this slot was never updated: create it as zero rows"
@@ -62,7 +65,9 @@ class TableStats:
     rows_served: int = 0
     pulls_served: int = 0
     pushes_applied: int = 0
-    rows_updated: int = 0
+    rows_updated: int = 0  # row updates applied as a primary (one per row per flush)
+    rows_combined: int = 0  # pushed rows that shared an update with another push of the same flush
+    flushes: int = 0
     duplicate_pushes: int = 0
     replica_updates: int = 0  # full-state replica updates applied
     replays_applied: int = 0  # replica steps replayed from the primary's gradients
@@ -93,6 +98,12 @@ class TableService:
         self.moving: dict[tuple[str, int], Move] = {}  # slots we own but do not hold yet
         self.releasing: dict[tuple[str, int], float] = {}  # slots we hold but no longer own -> drop time
         self.applied: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        # pushes accepted and not yet applied (flush), by ticket, and their (key, table) pairs
+        self.pending: dict[int, tuple[PushRequest, list[str]]] = {}
+        self._pending_keys: set[tuple[str, str]] = set()
+        self._tickets = 0
+        # names this incarnation's replays (a restarted primary must not reuse a replica's remembered key)
+        self.nonce = secrets.token_hex(4)
         self.stats = TableStats()
 
     # -- the map ------------------------------------------------------------------------------
@@ -215,12 +226,13 @@ class TableService:
         self.stats.rows_served += int(ok.sum())
         return rows, ok
 
-    def apply_push(self, req: PushRequest) -> dict[str, list[Replay]]:
-        """Apply pushed row gradients as the primary; returns {replica peer: [Replay]} to forward."""
+    def _push_tables(self, req: PushRequest) -> list[str]:
+        """The tables of ``req`` to apply (a repeated key's are acknowledged, not applied again);
+        raises Fenced / NotPrimary / Moving / ShardError unless we may apply all of them now."""
         self._fence(req.view)
         todo = []
         for table, ids in req.ids.items():
-            if (req.key, table) in self.applied:
+            if (req.key, table) in self.applied or (req.key, table) in self._pending_keys:
                 self.stats.duplicate_pushes += 1
                 continue
             slots = self.map.slot_of(table, ids)
@@ -229,18 +241,86 @@ class TableService:
             if not bool(np.all(om[slots, 0] == me)):
                 raise NotPrimary(f"this peer is not the primary of every slot of {table!r} in this push")
             self._held(table, ids)
+            g = req.grads[table]
+            if g.numel() and float(g.abs().max()) > MAX_GRAD:
+                raise ShardError(f"row gradients of {table!r} exceed {MAX_GRAD:g} in magnitude")
             todo.append(table)
+        return todo
+
+    def accept_push(self, req: PushRequest) -> int | None:
+        """Check a push as its primary and queue it for the next flush(); returns its ticket, or
+        None when it is a repeat (acknowledge it, apply nothing). Raises like apply_push."""
+        todo = self._push_tables(req)
+        if not todo:
+            return None
+        self._tickets += 1
+        self.pending[self._tickets] = (req, todo)
+        self._pending_keys.update((req.key, t) for t in todo)
+        return self._tickets
+
+    def flush(self, dtype: str | None = None) -> tuple[dict[str, list[Replay]], dict[int, Exception | None]]:
+        """Apply every queued push together: ONE optimizer step per row on the sum of the gradients
+        the pushes brought for it (DDP's one step on the reduced gradient; a row four peers touched
+        is updated, and replayed to its replicas, once instead of four times). A sum of several
+        pushes is rounded to ``dtype`` (the push wire dtype) before it is applied, so the replicas
+        replay exactly these bits in that dtype. Returns the replays to forward and each ticket's
+        outcome: None (applied) or why it was refused (the map changed since it was accepted)."""
+        pending, self.pending = self.pending, {}
+        self._pending_keys.clear()
+        outcome: dict[int, Exception | None] = {}
+        batch: list[tuple[PushRequest, list[str]]] = []
+        for ticket, (req, tables) in pending.items():
+            try:
+                again = self._push_tables(req)  # the view, the primaries or the slots may have moved
+                if set(again) != set(tables):
+                    raise Moving("the push's tables changed state since it was accepted")
+            except (Fenced, NotPrimary, Moving, ShardError) as e:
+                outcome[ticket] = e
+                continue
+            outcome[ticket] = None
+            batch.append((req, tables))
+        try:
+            forward = self._apply_batch(batch, dtype, f"{self.self_id}.{self.nonce}/flush:{self.stats.flushes}")
+        except ShardError as e:  # nothing was applied
+            return {}, {t: (e if o is None else o) for t, o in outcome.items()}
+        self.stats.flushes += 1
+        return forward, outcome
+
+    def apply_push(self, req: PushRequest) -> dict[str, list[Replay]]:
+        """Apply one push now, alone, as the primary (a host group's owner applies each rank's part
+        this way); returns {replica peer: [Replay]} to forward."""
+        todo = self._push_tables(req)
+        # one push is split across primaries, each replaying its part to the same replicas: the
+        # replica's exactly-once key names the primary too
+        return self._apply_batch([(req, todo)], None, f"{self.self_id}/{req.key}")
+
+    def _apply_batch(self, batch: list[tuple[PushRequest, list[str]]], dtype: str | None,
+                     replay_key: str) -> dict[str, list[Replay]]:
+        """One optimizer step per row over the pushes of ``batch`` (rows summed across pushes);
+        transactional per call: on ShardError no row has changed."""
+        by_table: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        for req, tables in batch:
+            for t in tables:
+                by_table.setdefault(t, []).append((req.ids[t], req.grads[t]))
+        combined = {}
+        for table, parts in by_table.items():
+            ids, grads = sum_rows(parts)
+            if len(parts) > 1 and dtype is not None:
+                grads = roundtrip(grads, dtype)
+            combined[table] = (ids, grads, sum(len(p[0]) for p in parts) - len(ids))
+        # check every table before changing any (apply_grads itself is transactional per table)
+        for table, (ids, grads, _) in combined.items():
+            self.shards[table].check_grads(ids, grads)
         forward: dict[str, list[Replay]] = {}
-        for table in todo:
-            ids, grads = req.ids[table], req.grads[table]
+        for table, (ids, grads, merged) in combined.items():
             update = self.shards[table].apply_grads(ids, grads)
-            self._remember((req.key, table))
-            self.stats.pushes_applied += 1
             self.stats.rows_updated += len(ids)
-            # one push is split across primaries, each replaying its part to the same replicas: the
-            # replica's exactly-once key names the primary too
-            replay_key = f"{self.self_id}/{req.key}"
-            self._fan_out(Replay(table, req.view, replay_key, ids, grads, update["step"] - 1), forward)
+            self.stats.rows_combined += merged
+            self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1), forward)
+        for req, tables in batch:
+            for t in tables:
+                self._remember((req.key, t))
+            self.stats.pushes_applied += len(tables)
         return forward
 
     def _fan_out(self, rp: Replay, forward: dict) -> None:
@@ -411,3 +491,15 @@ class TableService:
             "releasing": len(self.releasing),
             "stats": vars(self.stats).copy(),
         }
+
+
+def sum_rows(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
+    """Row gradient parts (each with sorted-unique ids) as one: sorted-unique ids, and the sum of
+    the parts' gradients for an id that several parts carry."""
+    if len(parts) == 1:
+        return parts[0]
+    ids, inverse = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
+    grads = torch.cat([p[1] for p in parts])
+    out = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype)
+    out.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grads)
+    return ids, out

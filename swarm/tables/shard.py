@@ -315,16 +315,23 @@ class TableShard:
         out["step"] = self._step.index_select(0, idx)
         return out
 
-    def apply_grads(self, ids: np.ndarray, grads: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One optimizer step on exactly these rows; returns the replica update
-        {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim]..., "step" int64 [k]}.
-        Transactional: on ShardError (bad ids/shapes, non-finite grads or results) nothing changes."""
+    def check_grads(self, ids: np.ndarray, grads: torch.Tensor) -> np.ndarray:
+        """Raise ShardError unless apply_grads(ids, grads) is well formed: sorted-unique held ids,
+        finite float32 [len(ids), dim] gradients. Returns the ids as int64."""
         ids = self._sorted_unique(ids, "apply_grads")
         k = ids.size
         if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != (k, self.dim):
             raise ShardError(f"grads must be float32 [{k}, {self.dim}], got {_desc(grads)}")
         if not bool(torch.isfinite(grads).all()):
             raise ShardError("grads have non-finite values")
+        self._pool_index(ids)
+        return ids
+
+    def apply_grads(self, ids: np.ndarray, grads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One optimizer step on exactly these rows; returns the replica update
+        {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim]..., "step" int64 [k]}.
+        Transactional: on ShardError (bad ids/shapes, non-finite grads or results) nothing changes."""
+        ids = self.check_grads(ids, grads)
         idx = self._pool_index(ids)
         g = grads
         row = self._rows.index_select(0, idx)
