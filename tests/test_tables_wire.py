@@ -15,7 +15,8 @@ from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
 from swarm.tables.wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
                                decode_replay, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
-                               encode_replay, encode_replica, encode_rows, encode_slot, quantize_int8, roundtrip)
+                               encode_replay, encode_replica, encode_rows, encode_slot, quantize, quantize_int8, roundtrip,
+                               pack_int4, unpack_int4)
 
 torch.set_num_threads(1)
 TABLES = {"ngram": TableSpec("ngram", 1000, 8), "value": TableSpec("value", 500, 8)}
@@ -56,7 +57,7 @@ def test_pull_round_trip():
     assert decode_pull(encode_pull(PullRequest(VIEW, "fp32", {})), TABLES, 1).ids == {}
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8", "int4"])
 def test_rows_round_trip(dtype):
     req = PullRequest(VIEW, dtype, {**IDS, "value": np.zeros(0, dtype=np.int64)})
     rows = rows_for(req.ids)
@@ -74,7 +75,7 @@ def test_rows_round_trip(dtype):
         encode_rows([("ngram", torch.full((1, 8), 1e6))], "fp16") if dtype == "fp16" else decode_rows(b"", req, DIMS)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8", "int4"])
 def test_push_round_trip(dtype):
     g = dict(rows_for(IDS))
     data = encode_push(PushRequest(VIEW, "peer-a:42", IDS, g), dtype)
@@ -85,8 +86,10 @@ def test_push_round_trip(dtype):
     for t in IDS:
         assert out.grads[t].dtype == torch.float32
         assert torch.equal(out.grads[t], roundtrip(g[t], dtype))
-        if dtype != "int8":
+        if dtype not in ("int8", "int4"):
             assert torch.allclose(out.grads[t], g[t], atol=tol, rtol=tol)
+        elif dtype == "int4" and len(g[t]):  # within half a step of the row's scale (max|row| / 7 at most)
+            assert bool(((out.grads[t] - g[t]).abs() <= g[t].abs().amax(dim=1, keepdim=True) / 7).all())
     with pytest.raises(WireError):
         decode_push(data, TABLES, max_ids=5)
     with pytest.raises(WireError):
@@ -139,7 +142,7 @@ def test_pull_validation():
 
     assert decode_pull(msg(), TABLES, 10).ids["ngram"].tolist() == [1, 2]
     bad = [
-        msg(v=2), msg(v=True), msg(view="ABCDEF0123456789"), msg(view=VIEW[:-1]), msg(dtype="int4"),
+        msg(v=2), msg(v=True), msg(view="ABCDEF0123456789"), msg(view=VIEW[:-1]), msg(dtype="int2"),
         msg(ids={"nope": b""}), msg(ids={"ngram": struct.pack("<2I", 2, 1)}),
         msg(ids={"ngram": struct.pack("<2I", 1, 1)}), msg(ids={"ngram": struct.pack("<I", 1000)}),
         msg(ids={"ngram": b"\x00\x00\x00"}), msg(ids={"ngram": [1, 2]}), msg(ids=[]), msg(extra=1),
@@ -207,6 +210,8 @@ def _valid_blobs() -> dict[str, bytes]:
         "push": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "bf16"),
         "push8": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "int8"),
         "replay8": encode_replay(rp, "int8"),
+        "push4": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "int4"),
+        "replay4": encode_replay(rp, "int4"),
         "replica": encode_replica("ngram", upd, VIEW, "a:1"),
         "slot": encode_slot("ngram", 3, sh.export_slot(3), VIEW),
     }
@@ -222,6 +227,8 @@ DECODERS = {
     "push": lambda b: decode_push(b, TABLES, 64),
     "push8": lambda b: decode_push(b, TABLES, 64),
     "replay8": lambda b: decode_replay(b, TABLES, 64),
+    "push4": lambda b: decode_push(b, TABLES, 64),
+    "replay4": lambda b: decode_replay(b, TABLES, 64),
     "replica": lambda b: decode_replica(b, TABLES),
     "slot": lambda b: decode_slot(b, TABLES, OM),
 }
@@ -295,16 +302,41 @@ def test_fuzz_msgpack_pull(obj):
 @given(rows=st.lists(st.lists(st.floats(-2.0 ** 100, 2.0 ** 100, width=32) | st.sampled_from([0.0, -0.0, 1e-38, 2.0 ** -140]),
                               min_size=3, max_size=3), min_size=1, max_size=6))
 def test_int8_round_trip_is_a_fixed_point(rows):
-    """Quantizing what was decoded gives back the same bytes: a primary replays an int8 push to its
-    replicas in int8 and they apply exactly the primary's values."""
+    """Quantizing what was decoded gives back the same bytes: a primary replays an int8 (or int4)
+    push to its replicas in that dtype and they apply exactly the primary's values."""
     x = torch.tensor(rows, dtype=torch.float32)
-    once = roundtrip(x, "int8")
-    assert torch.isfinite(once).all()
-    q1, s1 = quantize_int8(once)
-    assert torch.equal(roundtrip(once, "int8"), once)
-    assert torch.equal(q1.float() * s1[:, None], once)
-    amax = x.abs().amax(dim=1, keepdim=True)
-    assert bool(((once - x).abs() <= amax / 126 + 2.0 ** -126).all())
+    for dtype, qmax in (("int8", 127), ("int4", 7)):
+        once = roundtrip(x, dtype)
+        assert torch.isfinite(once).all()
+        q1, s1 = quantize(once, qmax)
+        assert torch.equal(roundtrip(once, dtype), once)
+        assert torch.equal(q1.float() * s1[:, None], once)
+        assert int(q1.abs().max()) <= qmax
+        amax = x.abs().amax(dim=1, keepdim=True)
+        assert bool(((once - x).abs() <= amax / (qmax - 0.5) + 2.0 ** -126).all())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(q=st.lists(st.lists(st.integers(-8, 7), min_size=1, max_size=9).map(tuple), min_size=1, max_size=5)
+       .filter(lambda rows: len({len(r) for r in rows}) == 1))
+def test_int4_packing_is_exact(q):
+    t = torch.tensor(q, dtype=torch.int8)
+    p = pack_int4(t)
+    assert p.dtype == torch.uint8 and p.shape == (t.shape[0], (t.shape[1] + 1) // 2)
+    assert torch.equal(unpack_int4(p.to(torch.int64), t.shape[1]), t)
+
+
+def test_int4_blobs_with_a_wrong_shape_or_no_scale_are_refused():
+    import safetensors.torch
+
+    req = PullRequest(VIEW, "int4", {"ngram": np.array([1, 2])})
+    ok = {"ngram": torch.zeros(2, 4, dtype=torch.uint8), "ngram.scale": torch.ones(2)}
+    assert decode_rows(safetensors.torch.save(ok, metadata={"v": "1"}), req, DIMS)["ngram"].shape == (2, 8)
+    for bad in ({"ngram": torch.zeros(2, 8, dtype=torch.uint8), "ngram.scale": torch.ones(2)},
+                {"ngram": torch.zeros(2, 4, dtype=torch.uint8)},
+                {"ngram": torch.zeros(2, 4, dtype=torch.int8), "ngram.scale": torch.ones(2)}):
+        with pytest.raises(WireError):
+            decode_rows(safetensors.torch.save(bad, metadata={"v": "1"}), req, DIMS)
 
 
 def test_int8_blobs_with_bad_scales_are_refused():

@@ -38,8 +38,9 @@ from ..tables.wire import PushRequest, roundtrip
 from .comm import Comm, GroupError
 
 KEY_BITS = 40  # a key is table index << KEY_BITS | row id (--table-rows is at most 2**26)
-# what carries each wire dtype through a collective: int8 values travel dequantized (exact in fp32)
-_CARRIER = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}
+# what carries each wire dtype through a collective: int8 / int4 values travel dequantized (exact in fp32)
+_CARRIER = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32,
+            "int4": torch.float32}
 
 PerRank = dict[int, dict[str, np.ndarray]]
 

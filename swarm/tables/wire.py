@@ -2,10 +2,12 @@
 
     pull request    msgpack  {"v": 1, "view": str, "dtype": str, "ids": {table: bin (uint32 LE)}}
     rows reply      safetensors: one tensor per table of the request, [len(ids), dim], in the asked dtype
-    push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16/I8 [k, dim]; meta v, view, key
+    push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16/I8/U8 (int4) [k, dim]; meta v, view, key
 
 int8 ("int8" on the wire) is a tensor of I8 values plus "<name>.scale" F32 [rows]: one power-of-two scale
-per row (see quantize_int8), so that re-quantizing what was decoded gives back the same bytes.
+per row (see quantize_int8), so that re-quantizing what was decoded gives back the same bytes. int4 is the
+same with values in -7..7, two per byte: U8 [rows, ceil(dim / 2)], column 2j in the low nibble, 2j+1 in the
+high one, each a 4-bit two's complement.
     replica update  safetensors: "ids" I32 [k], "rows" F32 [k, dim], state F32 [k, dim], "step" I64 [k];
                     meta v, table, view, key
     slot hand-off   safetensors: "rows" F32 [n, dim], state F32 [n, dim], "step" I64 [n]; meta v, table, slot, view
@@ -30,22 +32,24 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import state_keys
 
-__all__ = ["WireError", "DTYPES", "quantize_int8", "dequantize_int8", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
+__all__ = ["WireError", "DTYPES", "quantize_int8", "dequantize_int8", "quantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
 
 VERSION = 1
-DTYPES = {"fp32", "fp16", "bf16", "int8"}
+DTYPES = {"fp32", "fp16", "bf16", "int8", "int4"}
 MAX_HEADER = 1 << 16          # safetensors JSON header; ours are a few hundred bytes
 MAX_KEY = 256
 _VIEW_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(r"[^\s]{1,200}:(0|[1-9][0-9]{0,18})")
 _INT_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "I8"}
-_ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I8": ("<i1", 1), "I32": ("<i4", 4),
-       "I64": ("<i8", 8)}
+_ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "I8", "int4": "U8"}
+_ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I8": ("<i1", 1), "U8": ("<u1", 1),
+       "I32": ("<i4", 4), "I64": ("<i8", 8)}
+_QMAX = {"int8": 127, "int4": 7}
+_SCALED = ("I8", "U8")  # stored dtypes that come with a ".scale" tensor (int8, int4)
 _FLOATS = ("F32", "F16", "BF16")
 _KINDS = ("adam", "adagrad")
 
@@ -236,62 +240,86 @@ def _cast(t: torch.Tensor, dtype: str, what: str) -> torch.Tensor:
     return out
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``x`` [n, d] as int8 values and one scale per row, a power of two with
-    max|row| / scale in (63.5, 127]. Powers of two make the round trip exact: dequantized values
-    q * scale are exact in fp32, and quantizing them again gives the same (q, scale), which is what
-    lets a primary replay an int8 push to its replicas in int8 and keep them bit-identical."""
+def quantize(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` [n, d] as integers in [-qmax, qmax] (int8) and one scale per row, a power of
+    two with max|row| / scale in (qmax / 2, qmax]. Powers of two make the round trip exact:
+    dequantized values q * scale are exact in fp32, and quantizing them again gives the same
+    (q, scale), which is what lets a primary replay a quantized push to its replicas in the same
+    dtype and keep them bit-identical."""
     x = x.detach().to("cpu", torch.float32)
     amax = x.abs().amax(dim=1) if x.shape[0] and x.shape[1] else torch.zeros(x.shape[0])
-    mant, exp = torch.frexp(amax / 127.0)  # amax / 127 = mant * 2**exp, mant in [0.5, 1)
+    mant, exp = torch.frexp(amax / qmax)  # amax / qmax = mant * 2**exp, mant in [0.5, 1)
     exp = torch.where(mant > 0.5, exp, exp - 1).clamp(min=-126, max=127)
     scale = torch.ldexp(torch.ones_like(amax), exp)
-    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(x / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize(x, 127)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale[:, None]
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 [n, d] in -8..7 -> uint8 [n, ceil(d / 2)]: column 2j in the low nibble, 2j+1 in the high."""
+    if q.shape[1] % 2:
+        q = torch.cat([q, torch.zeros(q.shape[0], 1, dtype=q.dtype)], dim=1)
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(p: torch.Tensor, d: int) -> torch.Tensor:
+    """pack_int4's inverse: uint8 [n, ceil(d / 2)] -> int8 [n, d] (nibbles sign-extended)."""
+    both = torch.stack([p & 0xF, p >> 4], dim=2).reshape(p.shape[0], 2 * p.shape[1])[:, :d].to(torch.int16)
+    return torch.where(both >= 8, both - 16, both).to(torch.int8)
+
+
 def roundtrip(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """fp32 values of ``x`` as a receiver decodes them after sending them in ``dtype``."""
     _check_dtype(dtype)
-    if dtype == "int8":
-        return dequantize_int8(*quantize_int8(x))
+    if dtype in _QMAX:
+        return dequantize_int8(*quantize(x, _QMAX[dtype]))
     return x.detach().to("cpu", _TORCH[dtype]).to(torch.float32)
 
 
 def _put(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, dtype: str, what: str) -> None:
-    """Write float rows ``t`` as ``name`` in ``dtype`` (int8: plus ``name.scale``)."""
-    if dtype != "int8":
+    """Write float rows ``t`` as ``name`` in ``dtype`` (int8, int4: plus ``name.scale``)."""
+    if dtype not in _QMAX:
         out[name] = _cast(t, dtype, what)
         return
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
         raise WireError(f"{what} must be a 2-D float tensor")
     _finite(t, what)
-    out[name], out[name + ".scale"] = quantize_int8(t)
+    q, out[name + ".scale"] = quantize(t, _QMAX[dtype])
+    out[name] = pack_int4(q) if dtype == "int4" else q
 
 
 def _take(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, int], what: str) -> torch.Tensor:
-    """Read float rows ``name`` (int8: with ``name.scale``, positive and finite) as fp32, finite."""
-    if name in blob.entries and blob.entries[name][0] == "I8" and "I8" in dtypes:
+    """Read float rows ``name`` (int8 / int4: with ``name.scale``, positive and finite) as fp32, finite."""
+    stored = blob.entries[name][0] if name in blob.entries else ""
+    if stored in _SCALED and stored in dtypes:
         if name + ".scale" not in blob.entries:
-            raise WireError(f"int8 tensor {name[:60]!r} needs {name[:60]!r}.scale")
-        q = blob.get(name, ("I8",), shape)
+            raise WireError(f"{stored} tensor {name[:60]!r} needs {name[:60]!r}.scale")
+        if stored == "U8":
+            q = unpack_int4(blob.get(name, ("U8",), (shape[0], (shape[1] + 1) // 2)), shape[1])
+        else:
+            q = blob.get(name, ("I8",), shape)
         scale = blob.get(name + ".scale", ("F32",), (shape[0],))
         if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise WireError(f"{what}: scales must be finite and positive")
         out = dequantize_int8(q, scale)
     else:
-        out = blob.get(name, tuple(d for d in dtypes if d != "I8"), shape)
+        out = blob.get(name, tuple(d for d in dtypes if d not in _SCALED), shape)
     _finite(out, what)
     return out
 
 
 def _int8_names(names: set[str], dtype_of: dict[str, str]) -> set[str]:
-    """The names a blob holds for these tensors: each int8 one brings its scale."""
-    return names | {n + ".scale" for n in names if dtype_of.get(n) == "I8"}
+    """The names a blob holds for these tensors: each int8 / int4 one brings its scale."""
+    return names | {n + ".scale" for n in names if dtype_of.get(n) in _SCALED}
 
 
 # ----------------------------------------------------------------------------- pull
@@ -404,9 +432,9 @@ def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
         names.setdefault(t, set()).add(part)
     ids, grads, total = {}, {}, 0
     for t, parts in names.items():
-        int8 = blob.entries.get(f"{t}.g", ("",))[0] == "I8"
-        if parts != ({"ids", "g", "g.scale"} if int8 else {"ids", "g"}):
-            raise WireError(f"table {t!r} needs {t}.ids and {t}.g (and {t}.g.scale when int8), nothing else")
+        scaled = blob.entries.get(f"{t}.g", ("",))[0] in _SCALED
+        if parts != ({"ids", "g", "g.scale"} if scaled else {"ids", "g"}):
+            raise WireError(f"table {t!r} needs {t}.ids and {t}.g (and {t}.g.scale when int8/int4), nothing else")
         spec = tables[t]
         _, shp, _ = blob.entries[f"{t}.ids"]
         if len(shp) != 1:
@@ -415,7 +443,7 @@ def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
         if total > max_ids:
             raise WireError(f"more than max_ids={max_ids} ids")
         ids[t] = _check_ids(blob.get(f"{t}.ids", ("I32",), shp).numpy(), spec.rows, f"push {t!r}")
-        grads[t] = _take(blob, f"{t}.g", (*_FLOATS, "I8"), (shp[0], spec.dim), f"grads of {t!r}")
+        grads[t] = _take(blob, f"{t}.g", (*_FLOATS, *_SCALED), (shp[0], spec.dim), f"grads of {t!r}")
     return PushRequest(view, key, ids, grads)
 
 
@@ -567,7 +595,9 @@ def encode_replay(rp: Replay, dtype: str = "fp32") -> bytes:
         raise WireError("replay grads must be [len(ids), dim]")
     if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or tuple(s.shape) != (ids.size,):
         raise WireError("replay pre_step must be int64 [len(ids)]")
-    out = {"ids": torch.from_numpy(ids.astype(np.int32)), "s": s}
+    # update counters fit int32 for ~2 billion steps of one row: send them in 4 bytes, not 8
+    out = {"ids": torch.from_numpy(ids.astype(np.int32)),
+           "s": s.to(torch.int32) if not s.numel() or int(s.max()) < 2**31 else s}
     _put(out, "g", g, dtype, "replay grads")
     return _save(out, {"v": str(VERSION), "table": rp.table, "view": rp.view, "key": rp.key})
 
@@ -586,8 +616,8 @@ def decode_replay(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) ->
         raise WireError(f"replay ids must be 1-D with at most {max_ids} entries")
     n = shp[0]
     ids = _check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replay")
-    g = _take(blob, "g", (*_FLOATS, "I8"), (n, spec.dim), "replay grads")
-    s = blob.get("s", ("I64",), (n,))
+    g = _take(blob, "g", (*_FLOATS, *_SCALED), (n, spec.dim), "replay grads")
+    s = blob.get("s", ("I32", "I64"), (n,)).to(torch.int64)
     if n and int(s.min()) < 0:
         raise WireError("replay pre_step has negative values")
     return Replay(spec.name, view, key, ids, g, s)
