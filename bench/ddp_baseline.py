@@ -38,6 +38,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from swarm.config import PeerConfig  # noqa: E402
 from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
 
@@ -85,8 +86,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=0.003)
-    ap.add_argument("--table-lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's defaults: the same settings
+    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, help=f"peak learning rate (default {d.lr})")
     a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
     a("--compression", help=f"none, topk, topk-int8 or topk-int4 (default {d.compression})")
+    a("--min-payload", type=int, help="bytes: send at least the entries that fill this much per step (a small "
+      f"model's payloads would otherwise be sparser than worth it; 0 = only --ratio; default {d.min_payload})")
     a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
     a("--seed", type=int, help=f"model initialisation seed; every peer of a swarm must use the same (default {d.seed})")
@@ -59,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--table-slots", type=int, help=f"slots (row ranges) per table, the unit of ownership (default {d.table_slots})")
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")
     a("--table-lr", type=float, help=f"learning rate of the row-wise Adam on table rows (default {d.table_lr})")
-    a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16, bf16 or int8 (default {d.row_dtype})")
-    a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16 or int8 (default {d.push_dtype})")
+    a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default {d.row_dtype})")
+    a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16, int8 or int4 (default {d.push_dtype})")
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
+    a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
+      f"per row (default {d.push_window:g})")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
     a("--max-staleness", type=int, help=f"late payloads older than this many steps are dropped (default {d.max_staleness})")

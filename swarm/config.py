@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4")
+ROW_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # table rows and row gradients on the wire
 AGGREGATION_RULES = ("mean", "trimmed", "centered-clip")  # swarm/robust.py RULES
 
 
@@ -48,15 +49,17 @@ class PeerConfig:
     compression: str = "topk-int8"
     ratio: float = 0.01
     warmup_steps: int = 20
+    min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
     # model size and the sharded tables
     table_rows: int = 65536
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
     table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
-    table_lr: float = 1e-2  # row-wise Adam on the table rows
+    table_lr: float = 3e-2  # row-wise Adam on the table rows (one step per row per flush of pushes)
     row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
-    push_dtype: str = "int8"  # row gradients on the wire (and the replays to replicas)
+    push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
+    push_window: float = 0.1  # a primary applies the pushes that arrive within this many seconds together
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # rounds
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
@@ -91,16 +94,18 @@ class PeerConfig:
              f"--compression must be one of {', '.join(COMPRESSION_MODES)}, got {self.compression!r}")
         need(0 < self.ratio <= 1, f"--ratio must be in (0, 1], got {self.ratio}")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        need(0 <= self.min_payload <= 1 << 30, f"--min-payload must be in [0, 2**30] bytes, got {self.min_payload}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")
         need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
         need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
         need(0 < self.table_lr < 1, f"--table-lr must be in (0, 1), got {self.table_lr}")
-        need(self.row_dtype in ("fp32", "fp16", "bf16", "int8"),
-             f"--row-dtype must be fp32, fp16, bf16 or int8, got {self.row_dtype!r}")
-        need(self.push_dtype in ("fp32", "fp16", "bf16", "int8"),
-             f"--push-dtype must be fp32, fp16, bf16 or int8, got {self.push_dtype!r}")
+        need(self.row_dtype in ROW_DTYPES,
+             f"--row-dtype must be fp32, fp16, bf16, int8 or int4, got {self.row_dtype!r}")
+        need(self.push_dtype in ROW_DTYPES,
+             f"--push-dtype must be fp32, fp16, bf16, int8 or int4, got {self.push_dtype!r}")
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
+        need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")

@@ -37,6 +37,9 @@ from .trainer import Trainer
 from .transport import ByteCounts, PeerUnreachable, Transport
 from .wire import PROTOCOL_VERSION
 
+# steps between refreshes of the status page's parameter sketch: one costs about two training steps
+# of CPU for the default model (a fresh random projection of every dense parameter)
+SKETCH_EVERY = 100
 log = logging.getLogger("swarm")
 
 RESYNC_LAG = 8  # a peer this many steps behind the swarm re-syncs its state instead of catching up
@@ -131,7 +134,7 @@ class Peer(MembershipShell):
         self.corpus_hash = corpus.hash
         self.trainer = await self.work(Trainer, self.cfg, corpus, device)
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
-                                clip_norm=self.cfg.clip_norm or None)
+                                clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
         codec_cfg.validate()
         self.compressor = Compressor(self.trainer.manifest, codec_cfg, sender=self.id)
         self.tables = TableService(self.id, self.trainer.table_specs, replicas=self.cfg.replicas,
@@ -166,7 +169,8 @@ class Peer(MembershipShell):
         self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
                                   meta={"step": 0, "active": 0, "active_from": 0})
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self._addr_of,
-                                        self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype)
+                                        self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
+                                        push_window=self.cfg.push_window)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
                  f"(model {self.trainer.manifest.numel / 1e6:.2f}M params, corpus {corpus.name} {corpus.hash[:12]})")
         if generated:
@@ -559,7 +563,7 @@ class Peer(MembershipShell):
         """After a step was applied: tell the swarm, keep the status series, evaluate, checkpoint, print."""
         self.members.set_meta(step=self.book.step)
         self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
-        if self.book.step % 10 == 0:
+        if self.book.step % SKETCH_EVERY == 0:
             self.last_sketch = await self.work(self.trainer.sketch)
         if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
             await self._evaluate_now()
@@ -632,6 +636,8 @@ class Peer(MembershipShell):
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.table_client is not None:
+            self.table_client.batcher.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -675,6 +681,8 @@ class Peer(MembershipShell):
             "seconds": round(time.monotonic() - p.started_at, 2) if p.started_at else 0.0,
             "row_bytes_sent": self.counts.sent.get("rows", 0) + self.counts.sent.get("replica", 0),
             "row_bytes_received": self.counts.received.get("rows", 0) + self.counts.received.get("replica", 0),
+            "sent_by_kind": dict(self.counts.sent),  # request bodies this peer sent, by kind
+            "received_by_kind": dict(self.counts.received),  # reply bodies it received (rows served to it)
             "rows": self.table_client.status() if self.table_client else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
             "table_stats": vars(self.tables.stats).copy() if self.tables else None,

@@ -62,6 +62,22 @@ class Compressor:
         self.fallback_steps = 0   # steps sent dense because sparse would be larger
         # The sample only steers the threshold; the selected set is exact either way.
         self._rng = np.random.default_rng(seed)
+        self.k_floor = self._k_for_bytes(config.min_bytes)
+
+    def _k_for_bytes(self, nbytes: int) -> int:
+        """The fewest entries whose sparse body is at least ``nbytes`` (0 when there is no floor;
+        n when even all entries are smaller)."""
+        mode = self.config.mode
+        if nbytes <= 0 or mode == "none" or self.n == 0:
+            return 0
+        lo, hi = 1, self.n  # body size grows with k: bisect
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._sparse_cost(mid, mode) >= nbytes:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     # -- helpers -------------------------------------------------------------
     def _pack(self, body: np.ndarray, k: int, mode: str, fmt: str, step: int) -> bytes:
@@ -113,7 +129,7 @@ class Compressor:
 
         acc = self.residual
         acc.add_(g)                       # acc = residual + grad, in place
-        k = k_for(self.n, cfg.ratio_at(step))
+        k = max(k_for(self.n, cfg.ratio_at(step)), self.k_floor)
         mode = cfg.mode
         if mode != "none" and self._sparse_cost(k, mode) >= self._dense_cost():
             mode = "none"

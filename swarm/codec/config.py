@@ -19,6 +19,11 @@ class CodecConfig:
     ratio is the steady-state fraction of entries sent; during warm-up the ratio decays
     exponentially from warmup_start_ratio to ratio (as in Deep Gradient Compression), so
     early, fast-changing gradients are sent denser.
+
+    min_bytes is a floor on the payload body: a step sends at least as many entries as fill it
+    (for a small model, more than ``ratio`` asks). Below a few tens of kilobytes a payload's time
+    on a link is less than one round trip, so sparsifying further saves no wall time and only
+    slows convergence; a large model's payloads are far above the floor and are not affected.
     """
 
     mode: str = "topk-int8"
@@ -29,6 +34,7 @@ class CodecConfig:
     warmup_start_ratio: float = 0.25
     clip_norm: float | None = None
     exact: bool = False
+    min_bytes: int = 0
 
     def ratio_at(self, step: int) -> float:
         """Ratio in effect at ``step``: exponential decay over warm-up, then the target."""
@@ -62,6 +68,8 @@ class CodecConfig:
                 not isinstance(self.clip_norm, (int, float)) or not math.isfinite(self.clip_norm)
                 or self.clip_norm <= 0):
             raise ValueError(f"clip_norm must be None or a finite number > 0, got {self.clip_norm!r}")
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {self.min_bytes!r}")
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be a bool, got {self.exact!r}")
 
