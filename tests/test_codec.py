@@ -356,3 +356,24 @@ def test_decoder_rejects_bad_indices() -> None:
     with pytest.raises(CodecError, match="out of range|strictly"):
         decode_payload(_rebuild(meta, body), m)
     assert ell > 0
+
+
+@pytest.mark.parametrize("mode", ["topk", "topk-int8", "topk-int4"])
+def test_min_bytes_is_a_floor_on_the_payload_not_a_ceiling(mode):
+    """A small model's payload is filled up to min_bytes (more entries than the ratio asks); a model
+    whose ratio already gives more is unaffected; entries never exceed n (then it goes dense)."""
+    g = torch.randn(200_000, generator=torch.Generator().manual_seed(3))
+    plain = Compressor(flat_manifest(g.numel()), CodecConfig(mode=mode, ratio=0.01), "a").compress(g.clone(), 0)
+    floored = Compressor(flat_manifest(g.numel()), CodecConfig(mode=mode, ratio=0.01, min_bytes=32768), "a")
+    enc = floored.compress(g.clone(), 0)
+    assert plain.k == 2000 and enc.k == floored.k_floor > 2000
+    assert 32768 <= len(enc.blob) <= 32768 + 1024  # the body fills the floor; the header is extra
+    dec = decode_payload(enc.blob, flat_manifest(g.numel()), header_mode=mode)
+    assert dec.indices.numel() == enc.k
+    big = Compressor(flat_manifest(g.numel()), CodecConfig(mode=mode, ratio=0.2, min_bytes=32768), "a")
+    assert big.compress(g.clone(), 0).k == 40_000  # ratio above the floor: unchanged
+    tiny = Compressor(flat_manifest(1000), CodecConfig(mode=mode, ratio=0.01, min_bytes=1 << 20), "a")
+    small = tiny.compress(torch.randn(1000), 0)  # the floor exceeds the whole model: every entry goes
+    assert small.k == 1000 and tiny.k_floor == 1000  # (sparse when that is still smaller than dense)
+    with pytest.raises(ValueError, match="min_bytes"):
+        CodecConfig(min_bytes=-1).validate()
