@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -31,6 +32,7 @@ from .shard import ShardError
 from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, roundtrip, decode_push, decode_replay,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replay, encode_replica, encode_rows)
 
+log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
 MAX_IDS = 1 << 22  # ids in one pull or push request
 SLOTS_PER_REQUEST = 64
@@ -312,12 +314,19 @@ class PushBatcher:
     async def _run(self) -> None:
         while self._waiting:
             await asyncio.sleep(self.window)
-            forward, outcome = await self.client.work(self.client.service.flush, self.client.push_dtype)
+            try:
+                forward, outcome = await self.client.work(self.client.service.flush, self.client.push_dtype)
+            except Exception as e:  # a bug, not a refusal: answer everyone waiting rather than hang them
+                log.exception("flushing row pushes failed")
+                outcome = {t: Moving(f"the flush failed: {type(e).__name__}") for t in self._waiting}
+                forward = {}
             self.replicated_ok = await replicate(self.client, forward)
             for ticket, err in outcome.items():
                 fut = self._waiting.pop(ticket, None)
-                if fut is None:
+                if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
                     self._done[ticket] = err
+                    while len(self._done) > 1024:
+                        self._done.pop(next(iter(self._done)))
                 elif not fut.done():
                     fut.set_result(err)
 
