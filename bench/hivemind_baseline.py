@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from ddp_baseline import lr_at, peer_seed  # noqa: E402
+from swarm.config import PeerConfig  # noqa: E402
 from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
 
@@ -127,8 +128,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--target-batch-size", type=int, default=None, help="default: batch size x peers")
     ap.add_argument("--table-rows", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=0.003)
-    ap.add_argument("--table-lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's (and the DDP baseline's) defaults
+    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)
