@@ -206,3 +206,16 @@ def test_kill_reaches_a_grandchild_that_left_the_session(tmp_path):
     assert proc.p.poll() is not None
     stat = wan.Path(f"/proc/{grandchild}/stat")
     assert not stat.exists() or stat.read_text().rpartition(")")[2].split()[0] == "Z"
+
+
+def test_hivemind_does_not_set_the_target_and_gets_a_lower_bound_when_it_misses_it():
+    curves = {"swarm": [(1, 0.0, 5.0), (2, 1.0, 2.0)], "ddp-sparse": [(1, 0.0, 5.0), (2, 3.0, 2.2)],
+              "hivemind": [(1, 0.0, 5.0), (2, 40.0, 4.0)]}
+    target = wan.pick_target(curves, 0.01)
+    assert target == pytest.approx(2.21)  # the worst final among the others; hivemind's 4.0 is ignored
+    runs = {m: {"curve": c, "time_to_target_s": wan.time_to_target(c, target)[0], "step_time_s": 1.0}
+            for m, c in curves.items()}
+    out = wan.summarize(runs, floor_contended=0.5, floor_solo=0.2, target=target)
+    assert out["speedup_vs_sparse_ddp_time_to_loss"] == 3.0
+    assert out["speedup_vs_hivemind_time_to_loss"] == 40.0  # at least: its whole run / the swarm's time
+    assert out["speedup_lower_bound_for"] == ["hivemind"]
