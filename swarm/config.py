@@ -59,7 +59,7 @@ class PeerConfig:
     row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
-    push_window: float = 0.1  # a primary applies the pushes that arrive within this many seconds together
+    push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # rounds
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads

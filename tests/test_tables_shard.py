@@ -41,12 +41,12 @@ class DenseRef:
         step = torch.where(mask, self.step + 1, self.step)
         if o.kind == "adam":
             b1, b2 = o.betas
-            m = self.m * b1 + g * (1.0 - b1)
-            v = self.v * b2 + g * g * (1.0 - b2)
+            m = self.m.mul(b1).add(g, alpha=1.0 - b1)
+            v = self.v.mul(b2).addcmul(g, g, value=1.0 - b2)
             t = step.clamp(min=1).to(torch.float64)
             bc1 = (1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64), t)).float().unsqueeze(1)
             bc2 = (1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64), t)).float().unsqueeze(1)
-            w = self.w - o.lr * (m / bc1) / (torch.sqrt(v / bc2) + o.eps)
+            w = self.w.sub((m / bc1) / (torch.sqrt(v / bc2) + o.eps), alpha=o.lr)
             mk = mask.unsqueeze(1)
             self.m, self.v = torch.where(mk, m, self.m), torch.where(mk, v, self.v)
         else:
