@@ -15,7 +15,7 @@ from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
 from swarm.tables.wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
                                decode_replay, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
-                               encode_replay, encode_replica, encode_rows, encode_slot, quantize, quantize_int8, roundtrip,
+                               encode_replay, encode_replica, encode_rows, encode_slot, quantize, roundtrip,
                                pack_int4, unpack_int4)
 
 torch.set_num_threads(1)
