@@ -349,7 +349,7 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
         addr = client.addr_of(peer)
         if addr is None:
             return False
-        body = await asyncio.to_thread(encode_replay, rp, exact_dtype(rp.grads))
+        body = await asyncio.to_thread(encode_replay, rp, rp.dtype or exact_dtype(rp.grads))
         try:
             await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",

@@ -261,9 +261,9 @@ class TableService:
     def flush(self, dtype: str | None = None) -> tuple[dict[str, list[Replay]], dict[int, Exception | None]]:
         """Apply every queued push together: ONE optimizer step per row on the sum of the gradients
         the pushes brought for it (DDP's one step on the reduced gradient; a row four peers touched
-        is updated, and replayed to its replicas, once instead of four times). A sum of several
-        pushes is rounded to ``dtype`` (the push wire dtype) before it is applied, so the replicas
-        replay exactly these bits in that dtype. Returns the replays to forward and each ticket's
+        is updated, and replayed to its replicas, once instead of four times). The gradients are
+        rounded to ``dtype`` (this primary's push wire dtype) before they are applied, so the
+        replicas replay exactly these bits in that dtype. Returns the replays to forward and each ticket's
         outcome: None (applied) or why it was refused (the map changed since it was accepted)."""
         pending, self.pending = self.pending, {}
         self._pending_keys.clear()
@@ -305,7 +305,7 @@ class TableService:
         combined = {}
         for table, parts in by_table.items():
             ids, grads = sum_rows(parts)
-            if len(parts) > 1 and dtype is not None:
+            if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
             combined[table] = (ids, grads, sum(len(p[0]) for p in parts) - len(ids))
         # check every table before changing any (apply_grads itself is transactional per table)
@@ -316,7 +316,7 @@ class TableService:
             update = self.shards[table].apply_grads(ids, grads)
             self.stats.rows_updated += len(ids)
             self.stats.rows_combined += merged
-            self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1), forward)
+            self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1, dtype), forward)
         for req, tables in batch:
             for t in tables:
                 self._remember((req.key, t))
@@ -333,7 +333,7 @@ class TableService:
             for member_idx in np.unique(om[:, r]).tolist():
                 sel = np.flatnonzero(om[:, r] == member_idx)
                 t = torch.from_numpy(sel)
-                part = Replay(rp.table, rp.view, rp.key, rp.ids[sel], rp.grads[t], rp.pre_step[t])
+                part = Replay(rp.table, rp.view, rp.key, rp.ids[sel], rp.grads[t], rp.pre_step[t], rp.dtype)
                 forward.setdefault(self.map.members[member_idx], []).append(part)
 
     def apply_replay(self, rp: Replay) -> bool:

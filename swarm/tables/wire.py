@@ -585,6 +585,7 @@ class Replay:
     ids: np.ndarray
     grads: torch.Tensor
     pre_step: torch.Tensor
+    dtype: str | None = None  # a wire dtype that carries ``grads`` exactly, when the primary knows one
 
 
 def encode_replay(rp: Replay, dtype: str = "fp32") -> bytes:
