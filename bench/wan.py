@@ -597,6 +597,12 @@ def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1"]
         procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-p{i}.err"))
+    return collect_baseline(wan, a, procs, tx0)[0]
+
+
+def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int]) -> tuple[dict, list[dict]]:
+    """Wait for a baseline's ranks (bench/ddp_baseline.py or bench/hivemind_baseline.py, the same
+    output format) and measure them like any method; also returns their summaries."""
     sampler = TxSampler([p.p.pid for p in procs])
     codes = [p.wait(a.run_timeout) for p in procs]
     samples = sampler.stop()
@@ -609,7 +615,7 @@ def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
     return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
             "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
             "steps": curve[-1][0] if curve else 0,
-            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}
+            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}, summaries
 
 
 def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, str | None]:
@@ -653,20 +659,8 @@ def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
                 "health": {"warning": "peer 0 printed no multiaddr"}}
     for i in range(1, wan.n):
         procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-p{i}.err"))
-    sampler = TxSampler([p.p.pid for p in procs])
-    codes = [p.wait(a.run_timeout) for p in procs]
-    samples = sampler.stop()
-    tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
-    parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
-    curve = merge_curves([pts for pts, _, _ in parsed])
-    summaries = [s for _, s, _ in parsed if s]
-    measured_wait = [s["comm_s"] / (s["compute_s"] + s["comm_s"]) for s in summaries
-                     if s.get("compute_s", 0) + s.get("comm_s", 0) > 0]
-    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
-            "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
-            "steps": curve[-1][0] if curve else 0,
-            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None,
-            "health": hivemind_health(summaries, wan.n)}
+    out, summaries = collect_baseline(wan, a, procs, tx0)
+    return {**out, "health": hivemind_health(summaries, wan.n)}
 
 
 def traffic(tx: list[int], samples, curve) -> dict:
