@@ -191,9 +191,7 @@ class TableClient:
         req = PushRequest(view=view, key=key, ids=sub, grads=parts)
         self.stats.pushes_sent += 1
         if peer == self.self_id:
-            # round through the wire dtype as a remote push would, so replicas replay exact values
-            wire = {t: roundtrip(g, self.push_dtype) for t, g in parts.items()}
-            req = PushRequest(view=view, key=key, ids=sub, grads=wire)
+            # no wire: the flush rounds what it applies to the push dtype, as for a remote push
             try:
                 await self.batcher.submit(req)
             except (Fenced, Moving, NotPrimary, ShardError):
@@ -289,9 +287,9 @@ class PushBatcher:
         self.client = client
         self.window = window
         self._waiting: dict[int, asyncio.Future] = {}
-        self._done: dict[int, Exception | None] = {}  # outcomes that arrived before their waiter
+        # (refusal or None, replicated) of pushes whose flush ended before their waiter registered
+        self._done: dict[int, tuple[Exception | None, bool]] = {}
         self._task: asyncio.Task | None = None
-        self.replicated_ok = True
 
     async def submit(self, req: PushRequest) -> bool:
         """Apply ``req`` with the next flush; True when its replicas acknowledged it. Raises the
@@ -301,15 +299,15 @@ class PushBatcher:
         if ticket is None:
             return True  # a repeat of a push already applied (or queued)
         if ticket in self._done:
-            err = self._done.pop(ticket)
+            err, replicated = self._done.pop(ticket)
         else:
             fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
             if self._task is None or self._task.done():
                 self._task = asyncio.ensure_future(self._run())
-            err = await fut
+            err, replicated = await fut
         if err is not None:
             raise err
-        return self.replicated_ok
+        return replicated
 
     async def _run(self) -> None:
         while self._waiting:
@@ -320,22 +318,27 @@ class PushBatcher:
                 log.exception("flushing row pushes failed")
                 outcome = {t: Moving(f"the flush failed: {type(e).__name__}") for t in self._waiting}
                 forward = {}
-            self.replicated_ok = await replicate(self.client, forward)
+            replicated = await replicate(self.client, forward)
             for ticket, err in outcome.items():
                 fut = self._waiting.pop(ticket, None)
                 if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
-                    self._done[ticket] = err
+                    self._done[ticket] = (err, replicated)
                     while len(self._done) > 1024:
                         self._done.pop(next(iter(self._done)))
                 elif not fut.done():
-                    fut.set_result(err)
+                    fut.set_result((err, replicated))
+
+    async def settled(self) -> None:
+        """Return once no push queued here is waiting for its flush (nor one queued meanwhile)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.gather(asyncio.shield(self._task), return_exceptions=True)
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
         for fut in self._waiting.values():
             if not fut.done():
-                fut.set_result(Moving("this peer is shutting down"))
+                fut.set_result((Moving("this peer is shutting down"), False))
         self._waiting.clear()
 
 
@@ -446,7 +449,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
     async def decoded_then_applied(request: web.Request, route: str, what: str, decode, apply):
         """The shared path of the write routes: bounded read, decode off the loop (400 on WireError),
-        then one TableService call on the table thread (its refusals mapped to 409/503)."""
+        then ``apply(peer, msg)`` (a coroutine; the service's refusals mapped to 409/503)."""
         peer = ready(request)
         body = await read_body(request, body_limits(peer.tables)[route])
         try:
@@ -454,35 +457,29 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         except WireError as e:
             raise BadRequest(f"bad {what}: {e}") from None
         try:
-            return peer, await peer.table_work(apply, peer, msg)
+            return await apply(peer, msg)
         except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
             raise _service_errors(e) from None
 
     async def push(request: web.Request) -> web.Response:
-        peer = ready(request)
-        body = await read_body(request, body_limits(peer.tables)["/v1/rows/push"])
-        try:
-            req = await asyncio.to_thread(decode_push, body, peer.tables.by_name, MAX_IDS)
-        except WireError as e:
-            raise BadRequest(f"bad push request: {e}") from None
-        try:
-            replicated = await peer.table_client.batcher.submit(req)
-        except (Fenced, Moving, NotPrimary, ShardError) as e:
-            raise _service_errors(e) from None
+        replicated = await decoded_then_applied(
+            request, "/v1/rows/push", "push request",
+            lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
+            lambda p, req: p.table_client.batcher.submit(req))  # applied with the next flush
         return web.json_response({"applied": True, "replicated": replicated})
 
     async def replica(request: web.Request) -> web.Response:
-        _, fresh = await decoded_then_applied(
+        fresh = await decoded_then_applied(
             request, "/v1/rows/replica", "replica update",
             lambda body, p: decode_replica(body, p.tables.by_name, p.tables.opt.kind),
-            lambda p, m: p.tables.apply_replica(*m))
+            lambda p, m: p.table_work(p.tables.apply_replica, *m))
         return web.json_response({"applied": fresh})
 
     async def replay(request: web.Request) -> web.Response:
-        _, fresh = await decoded_then_applied(
+        fresh = await decoded_then_applied(
             request, "/v1/rows/replay", "replay",
             lambda body, p: decode_replay(body, p.tables.by_name, MAX_IDS),
-            lambda p, rp: p.tables.apply_replay(rp))
+            lambda p, rp: p.table_work(p.tables.apply_replay, rp))
         return web.json_response({"applied": fresh})
 
     async def slots(request: web.Request) -> web.Response:

@@ -5,7 +5,7 @@
     push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16/I8/U8 (int4) [k, dim]; meta v, view, key
 
 int8 ("int8" on the wire) is a tensor of I8 values plus "<name>.scale" F32 [rows]: one power-of-two scale
-per row (see quantize_int8), so that re-quantizing what was decoded gives back the same bytes. int4 is the
+per row (see quantize), so that re-quantizing what was decoded gives back the same bytes. int4 is the
 same with values in -7..7, two per byte: U8 [rows, ceil(dim / 2)], column 2j in the low nibble, 2j+1 in the
 high one, each a 4-bit two's complement.
     replica update  safetensors: "ids" I32 [k], "rows" F32 [k, dim], state F32 [k, dim], "step" I64 [k];
@@ -32,7 +32,7 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import state_keys
 
-__all__ = ["WireError", "DTYPES", "quantize_int8", "dequantize_int8", "quantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
+__all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
@@ -257,11 +257,7 @@ def quantize(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize(x, 127)
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale[:, None]
 
 
@@ -283,7 +279,7 @@ def roundtrip(x: torch.Tensor, dtype: str) -> torch.Tensor:
     """fp32 values of ``x`` as a receiver decodes them after sending them in ``dtype``."""
     _check_dtype(dtype)
     if dtype in _QMAX:
-        return dequantize_int8(*quantize(x, _QMAX[dtype]))
+        return dequantize(*quantize(x, _QMAX[dtype]))
     return x.detach().to("cpu", _TORCH[dtype]).to(torch.float32)
 
 
@@ -312,7 +308,7 @@ def _take(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, i
         scale = blob.get(name + ".scale", ("F32",), (shape[0],))
         if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise WireError(f"{what}: scales must be finite and positive")
-        out = dequantize_int8(q, scale)
+        out = dequantize(q, scale)
     else:
         out = blob.get(name, tuple(d for d in dtypes if d not in _SCALED), shape)
     _finite(out, what)
