@@ -376,6 +376,7 @@ class Peer(MembershipShell):
                 if not self._stop.is_set():
                     await self._train()
             if self.trainer.step > 0 or self.cfg.steps:
+                await self._settle_rows()
                 await self._evaluate_now()
             sketch = self.last_sketch = await self.work(self.trainer.sketch)
             if self.cfg.checkpoint and self.trainer.step > 0:
@@ -385,6 +386,15 @@ class Peer(MembershipShell):
         finally:
             await self.leave()
         return self.summary(sketch)
+
+    async def _settle_rows(self) -> None:
+        """Let the last step's row updates land before the final evaluation, so that every peer
+        evaluates the same tables: every peer pushed its last rows before it sent its last payload,
+        and a primary applies a push within one --push-window of receiving it."""
+        if self.table_client is None:
+            return
+        await asyncio.sleep(self.cfg.push_window)
+        await self.table_client.batcher.settled()
 
     async def _until_ready(self) -> None:
         """Wait for --min-peers, or (a joiner of a running swarm) sync state and catch up first."""

@@ -40,9 +40,9 @@ async def test_three_peers_train_in_lockstep_with_identical_replicas():
     assert rel_l2(sketches[0], sketches[1]) <= 1e-3
     assert rel_l2(sketches[0], sketches[2]) <= 1e-3
     # identical dense replicas; table rows arrive as int8 from remote owners and fp32 from our own
-    # shard, and a peer may evaluate before or after the primaries' last flush of row pushes (up to
-    # --push-window later) lands, so the held-out losses agree closely, not bit for bit
-    assert max(r["val_loss"] for r in results) - min(r["val_loss"] for r in results) < 5e-3
+    # shard (every peer waits for the last flush of row pushes before it evaluates), so the held-out
+    # losses agree to int8 rounding, not bit for bit
+    assert max(r["val_loss"] for r in results) - min(r["val_loss"] for r in results) < 1e-4
 
 
 async def test_late_joiner_downloads_state_and_catches_up():
