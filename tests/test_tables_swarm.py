@@ -93,7 +93,7 @@ async def test_a_push_is_applied_exactly_once_even_when_retried():
     try:
         await until(lambda: settled(peers), what="a shared view")
         a, b = peers
-        ids = a.tables.map.plan("ngram", np.arange(64))[b.id][:8]  # rows whose primary is b
+        ids = a.tables.map.plan("ngram", np.arange(1024))[b.id][:8]  # rows whose primary is b (64 rows = 8 slots were all a's now and then)
         before = b.tables.shards["ngram"].steps(ids).clone()
         req = PushRequest(view=b.tables.view, key="tester:7", ids={"ngram": ids},
                           grads={"ngram": torch.full((len(ids), 128), 0.5)})
