@@ -584,7 +584,20 @@ def run_swarm(wan: Wan, a, compression: str, log: Path) -> dict:
             "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
             "val_loss": _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None]),
             "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
-            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries]}
+            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
+            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+
+
+def mean_phases(reports: list[dict]) -> dict[str, float] | None:
+    """The peers' mean milliseconds per step phase (swarm/steptimes.py), averaged over peers, and
+    the measured share of the step spent waiting on other peers (rows + round)."""
+    reports = [r for r in reports if r.get("steps")]
+    if not reports:
+        return None
+    phases = [k for k, v in reports[0].items() if isinstance(v, dict)]
+    out = {k: round(_mean([r[k]["mean_ms"] for r in reports if k in r]), 1) for k in phases}
+    out["wait_share"] = round(_mean([r["wait_share"] for r in reports if r.get("wait_share") is not None]), 3)
+    return out
 
 
 def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
@@ -827,6 +840,8 @@ def main() -> int:
             print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer in training "
                   f"({r['run_bytes_per_peer'] / 1e6:.1f} MB whole run), "
                   f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
+            if r.get("step_phases_ms"):
+                print(f"{m} step phases, ms per step (mean over peers): {r['step_phases_ms']}", flush=True)
             if isinstance(hivemind_note, dict) and m == "hivemind":
                 hivemind_note.update(r.get("health") or {})
     finally:

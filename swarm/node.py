@@ -30,6 +30,7 @@ from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Member, Membership, MembershipConfig, SendSync
 from .membership_shell import MembershipShell
 from .status.timeline import Timeline
+from .steptimes import StepTimes
 from .tables import RowOptConfig
 from .tables.http import TableClient
 from .tables.service import TableService
@@ -77,6 +78,7 @@ class Peer(MembershipShell):
         self.counts = ByteCounts()
         self.dense_bytes = 0  # what sending dense fp32 gradients to the same targets would have cost
         self.progress = Progress()
+        self.step_times = StepTimes()  # where each step's wall time goes (summary, /api/status)
         self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
         self.rejected: collections.Counter[str] = collections.Counter()
         # per-sender scores, outlier counts and bans (swarm/robust.py; docs/design.md "Robust aggregation")
@@ -389,8 +391,8 @@ class Peer(MembershipShell):
 
     async def _settle_rows(self) -> None:
         """Let the last step's row updates land before the final evaluation, so that every peer
-        evaluates the same tables: every peer pushed its last rows before it sent its last payload,
-        and a primary applies a push within one --push-window of receiving it."""
+        evaluates the same tables: every peer queues its last step's row push before its last
+        payload (_train), and a primary applies a push within one --push-window of receiving it."""
         if self.table_client is None:
             return
         await asyncio.sleep(self.cfg.push_window)
@@ -525,21 +527,34 @@ class Peer(MembershipShell):
                 await self._resync()
                 continue
             step = self.book.step
+            self.step_times.start()
             batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch())
             prefetched = None
+            self.step_times.mark("rows")
             stats, flat, row_grads = await self.work(self.trainer.compute, batch, want, rows)
-            await self._drain_pushes(keep=1)
-            self._push_rows(row_grads, missing, step)
+            self.step_times.mark("compute")
+            last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
+            if last:  # the last rows go out before the last payload (_settle_rows relies on it)
+                await self._drain_pushes(keep=1)
+                self._push_rows(row_grads, missing, step)
+            # otherwise the payload first: the round waits for it, while row pushes only need to land
+            # within the owners' push window (on a slow link, bytes queued ahead of it delay everyone)
             enc: Encoded = await self.work(self.compressor.compress, flat, step)
             self.book.offer(enc.decoded)
             self._broadcast(enc)
-            if self.cfg.prefetch and (self.cfg.steps == 0 or step + 1 < self.cfg.steps):
+            if self.cfg.prefetch and not last:
                 # the next step's rows travel while this step's round completes; they may miss
                 # this step's own row update (one step stale), which is the price of the overlap
                 prefetched = asyncio.ensure_future(self._fetch_batch())
+            if not last:
+                await self._drain_pushes(keep=1)
+                self._push_rows(row_grads, missing, step)
             self.record_contribution(stats, enc)
+            self.step_times.mark("send")
             await self.take_round(step)
             await self.after_step(step, stats.loss)
+            self.step_times.mark("after")
+            self.step_times.end()
         if prefetched is not None:
             prefetched.cancel()
             await asyncio.gather(prefetched, return_exceptions=True)
@@ -559,6 +574,7 @@ class Peer(MembershipShell):
     async def take_round(self, step: int) -> None:
         """Wait for round ``step`` (or its deadline), aggregate it and step the replica."""
         exp = await self._wait_round(step)
+        self.step_times.mark("round")
         result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
         if result.timed_out:
             self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
@@ -566,6 +582,7 @@ class Peer(MembershipShell):
         result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
         result.late = self.robust.split(result.late, time.monotonic())[0]
         await self.work(self.trainer.apply, result)
+        self.step_times.mark("apply")
         for pid in self.robust.observe(self.trainer.last_report, time.monotonic()):
             self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
 
@@ -695,6 +712,7 @@ class Peer(MembershipShell):
             "received_by_kind": dict(self.counts.received),  # reply bodies it received (rows served to it)
             "rows": self.table_client.status() if self.table_client else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
+            "step_phases": self.step_times.report(),
             "table_stats": vars(self.tables.stats).copy() if self.tables else None,
             "param_sketch": sketch,
             "val_history": [[s, round(v, 5)] for s, v in p.val_history],
@@ -732,6 +750,7 @@ class Peer(MembershipShell):
             "tables": self.tables.status() if self.tables is not None else None,
             "rows": self.table_client.status() if self.table_client is not None else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
+            "step_phases": self.step_times.report(),
             "group": self.group.status() if self.group is not None else None,
             # for the status page (docs/protocol.md, "GET /api/status")
             "now": time.time(),

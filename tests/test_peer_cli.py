@@ -28,6 +28,8 @@ async def test_three_processes_join_train_and_agree(spawn):
             assert key in summary
         assert len(summary["param_sketch"]) == 16
         assert summary["bytes_sent"] <= 0.03 * summary["dense_bytes"]
+        phases = summary["step_phases"]  # where the step time went, every step of the run
+        assert phases["steps"] == 25 and phases["compute"]["mean_ms"] > 0 and 0 <= phases["wait_share"] < 1
     sketches = [s["param_sketch"] for _, s in results]
     assert rel_l2(sketches[0], sketches[1]) <= 1e-3 and rel_l2(sketches[0], sketches[2]) <= 1e-3
     assert any(line.startswith("step ") and "peers 3" in line for line in a.lines)  # progress lines

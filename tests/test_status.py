@@ -120,6 +120,7 @@ async def test_status_of_a_training_pair_has_everything_the_page_draws(pair):
     t = s["tables"]  # the sharded tables' map, as the page draws it
     assert t["view"] and t["slots"] > 0 and t["owners"] and set(t["by_peer"]) == {a.id, b.id}
     assert s["pull_latency_ms"]["p50"] is not None
+    assert s["step_phases"]["steps"] >= 12 and s["step_phases"]["round"]["median_ms"] >= 0
 
     assert s["swarm"]["alive"] == 2 and s["swarm"]["dead"] == 0 and s["swarm"]["suspect"] == 0
     assert s["swarm"]["step"] >= 12 and s["swarm"]["tokens_per_s"] > 0

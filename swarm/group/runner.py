@@ -114,9 +114,13 @@ class HostGroup:
 
     async def _step(self, step: int) -> None:
         p = self.peer
+        clock = p.step_times
+        clock.start()
         batch, want = await p.work(p.trainer.sample)
         rows, missing = await self.pull(want)
+        clock.mark("rows")
         stats, flat, row_grads = await p.work(p.trainer.compute, batch, want, rows)
+        clock.mark("compute")
         await self.push(row_grads, missing, step)
         await p.work(self.comm.all_reduce_mean_, flat)
         enc = None
@@ -125,16 +129,22 @@ class HostGroup:
             p.book.offer(enc.decoded)
             p._broadcast(enc)
             p.record_contribution(stats, enc)
-            await p.take_round(step)
+            clock.mark("send")
+            await p.take_round(step)  # marks "round" and "apply"
             await p.work(self.comm.broadcast_ints, [p.trainer.last_report.count], 1)
             await p.work(self.comm.broadcast_, p.trainer.aggregate)
         else:
             p.record_contribution(stats, None)
+            clock.mark("send")
             (count,) = await p.work(self.comm.broadcast_ints, None, 1)
             await p.work(self.comm.broadcast_, p.trainer.aggregate)
+            clock.mark("round")
             await p.work(p.trainer.apply_aggregate, step, count)
+            clock.mark("apply")
             p.book.reset(step + 1)
         await p.after_step(step, stats.loss)
+        clock.mark("after")
+        clock.end()
 
     # -- rows ----------------------------------------------------------------------------------
     async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
