@@ -144,13 +144,19 @@ def _densify(cs: Sequence, scale: Sequence[float], n: int) -> tuple[torch.Tensor
         for i, c in enumerate(cs):
             c.add_to(mat[i], scale[i])
         return idx, mat
-    idx = torch.unique(torch.cat([c.indices.reshape(-1).to(torch.int64) for c in cs]))  # sorted
+    # the union as a mask over all n coordinates (O(n) but vectorised; ~2x cheaper than sorting
+    # the m*k indices with torch.unique), and each index's column through a position map
+    mask = torch.zeros(n, dtype=torch.bool)
+    for c in cs:
+        mask[c.indices.reshape(-1).to(torch.int64)] = True
+    idx = mask.nonzero().squeeze(1)  # sorted
+    col = torch.empty(n, dtype=torch.int64)
+    col[idx] = torch.arange(idx.numel())
     mat = torch.zeros(m, idx.numel(), dtype=torch.float32)
     for i, c in enumerate(cs):
         if c.indices.numel():
-            pos = torch.searchsorted(idx, c.indices.reshape(-1).to(torch.int64))
             v = _values(c)
-            mat[i].index_copy_(0, pos, v if scale[i] == 1.0 else v * scale[i])
+            mat[i].index_copy_(0, col[c.indices.reshape(-1).to(torch.int64)], v if scale[i] == 1.0 else v * scale[i])
     return idx, mat
 
 
