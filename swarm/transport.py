@@ -54,6 +54,7 @@ class Transport:
                 timeout=aiohttp.ClientTimeout(total=30, connect=5),
                 connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
                 headers=self.headers,
+                cookie_jar=aiohttp.DummyCookieJar(),  # peers set no cookies; filtering them costs per request
             )
         return self._session
 
