@@ -31,7 +31,7 @@ from swarm.codec import HEADER, MODES, CodecConfig, Compressor
 from swarm.membership import Membership
 from swarm.node import Peer
 from swarm.tables.http import body_limits
-from swarm.tables.wire import PullRequest, PushRequest, Replay, encode_pull, encode_push, encode_replay, encode_replica
+from swarm.tables.wire import PullRequest, PushRequest, Replay, encode_pull, encode_push, encode_replays, encode_replica
 
 from .conftest import small_cfg
 
@@ -103,8 +103,8 @@ class Harness:
             "/v1/rows/pull": (encode_pull(PullRequest(view=WRONG_VIEW, dtype="fp16", ids={name: ids})), {}),
             "/v1/rows/push": (encode_push(PushRequest(view=WRONG_VIEW, key="9ad5e4de00000000:1", ids={name: ids},
                                                       grads={name: torch.ones(len(ids), dim)})), octet),
-            "/v1/rows/replay": (encode_replay(Replay(name, WRONG_VIEW, "x/9ad5e4de00000000:1", ids,
-                                                     torch.ones(len(ids), dim), state["step"])), octet),
+            "/v1/rows/replay": (encode_replays([Replay(name, WRONG_VIEW, "x/9ad5e4de00000000:1", ids,
+                                                       torch.ones(len(ids), dim), state["step"])]), octet),
             "/v1/rows/replica": (encode_replica(name, state, WRONG_VIEW, "9ad5e4de00000000:1"), octet),
             "/v1/rows/slots": (msgpack.packb({"table": "nope", "slots": [0, 1]}), {}),
             "/v1/state": (b"", {}),

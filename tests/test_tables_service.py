@@ -47,7 +47,7 @@ def test_push_goes_to_the_primary_only_and_replays_make_replicas_identical():
         for fwd in push_to_primaries(svcs, ids, key=f"x:{step}", g=0.1 * (step + 1)):
             for peer, replays in fwd.items():
                 for rp in replays:
-                    assert svcs[peer].apply_replay(rp) is True
+                    assert svcs[peer].apply_replays([rp]) is True
     for slot in range(m.n_slots("ngram")):
         owners = m.owners("ngram", slot)
         assert len({svcs[o].shards["ngram"].checksum(slot) for o in owners}) == 1
@@ -90,7 +90,7 @@ def test_a_replica_that_missed_an_update_diverges_and_the_full_state_heals_it():
         for peer, replays in fwd.items():
             for rp in replays:
                 with pytest.raises(Diverged):
-                    svcs[peer].apply_replay(rp)
+                    svcs[peer].apply_replays([rp])
                 primary = m.owners(rp.table, int(m.slot_of(rp.table, rp.ids[:1])[0]))[0]
                 state = svcs[primary].full_state(rp.table, rp.ids)
                 svcs[peer].apply_replica(rp.table, state, rp.view, rp.key)
@@ -108,7 +108,7 @@ def test_hand_off_keeps_the_newest_copy_and_slots_are_moving_until_installed():
         for fwd in push_to_primaries(svcs, ids, key=f"w:{step}"):
             for peer, replays in fwd.items():
                 for rp in replays:
-                    svcs[peer].apply_replay(rp)
+                    svcs[peer].apply_replays([rp])
     joiner = TableService("p-c", SPECS, replicas=2, slots=32)
     fetch = joiner.set_members(["p-a", "p-b", "p-c"], now=0.0)
     assert fetch and all(set(mv.sources) <= {"p-a", "p-b"} for mv in fetch)
@@ -226,7 +226,7 @@ def test_a_flush_applies_the_pushes_it_gathered_as_one_update_per_row():
     for peer, replays in forward.items():
         assert len(replays) == 1  # one replay per replica and table, whatever the number of pushes
         for rp in replays:
-            assert svcs[peer].apply_replay(rp) is True
+            assert svcs[peer].apply_replays([rp]) is True
             n_replays += 1
     assert n_replays >= 1
     for slot in np.unique(m.slot_of("ngram", sub)).tolist():
@@ -296,3 +296,33 @@ async def test_the_batcher_answers_each_push_after_one_shared_flush():
     assert await batcher.submit(pushes[0]) is True  # a repeat: acknowledged, not applied again
     assert svc.stats.flushes == 1
     batcher.close()
+
+
+def test_a_flush_replays_every_table_to_a_replica_at_once_and_all_or_nothing():
+    """A flush of pushes to both tables gives each replica one list of replays (one message on the
+    wire); a replica that missed an update of one table applies nothing of the message."""
+    svcs = services()
+    m = svcs["p-a"].map
+    prim = m.owners("ngram", 0)[0]
+    mine = {t: np.array([i for i in range(256) if m.owners(t, int(m.slot_of(t, np.array([i]))[0]))[0] == prim])
+            for t in ("ngram", "value")}
+    req = PushRequest(view=m.view, key="p-b:1", ids=mine, grads={t: torch.full((len(i), 8), 0.5) for t, i in mine.items()})
+    svcs[prim].accept_push(req)
+    forward, _ = svcs[prim].flush("int8")
+    assert forward and all(len({rp.table for rp in rps}) == len(rps) for rps in forward.values())
+    both = [p for p, rps in forward.items() if {rp.table for rp in rps} == {"ngram", "value"}]
+    assert both, "with 3 peers and R=2 some replica holds slots of both tables"
+    victim = both[0]
+    rps = forward[victim]
+    value = next(rp for rp in rps if rp.table == "value")
+    # the victim's value rows take an update the primary never made: its counters now differ
+    svcs[victim].shards["value"].apply_grads(value.ids[:1], torch.ones(1, 8))
+    ngram = next(rp for rp in rps if rp.table == "ngram")
+    before = svcs[victim].shards["ngram"].steps(ngram.ids).clone()
+    with pytest.raises(Diverged):
+        svcs[victim].apply_replays(rps)
+    assert torch.equal(svcs[victim].shards["ngram"].steps(ngram.ids), before)  # nothing applied
+    for peer, msgs in forward.items():
+        if peer != victim:
+            assert svcs[peer].apply_replays(msgs) is True
+            assert svcs[peer].apply_replays(msgs) is False  # a repeat

@@ -7,6 +7,7 @@ import struct
 import msgpack
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,8 +15,8 @@ from hypothesis import strategies as st
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
 from swarm.tables.wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
-                               decode_replay, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
-                               encode_replay, encode_replica, encode_rows, encode_slot, quantize, roundtrip,
+                               decode_replays, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
+                               encode_replays, encode_replica, encode_rows, encode_slot, quantize, roundtrip,
                                pack_int4, unpack_int4)
 
 torch.set_num_threads(1)
@@ -99,6 +100,38 @@ def test_push_round_trip(dtype):
                 PushRequest(VIEW, "a:1", IDS, {**g, "value": torch.full((2, 8), float("nan"))})):
         with pytest.raises(WireError):
             encode_push(bad)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_replays_of_every_table_travel_in_one_message(dtype):
+    g = {t: roundtrip(x, dtype) for t, x in rows_for(IDS)}  # what a flush applied: exact in dtype
+    parts = [Replay(t, VIEW, "p-a.00ff/flush:3", IDS[t], g[t], torch.arange(len(IDS[t]), dtype=torch.int64) + 5)
+             for t in IDS]
+    data = encode_replays(parts, [dtype] * len(parts))
+    out = decode_replays(data, TABLES, max_ids=6)
+    assert [rp.table for rp in out] == list(IDS)
+    for rp, want in zip(out, parts):
+        assert (rp.view, rp.key) == (VIEW, "p-a.00ff/flush:3")
+        assert np.array_equal(rp.ids, want.ids) and torch.equal(rp.pre_step, want.pre_step)
+        assert torch.equal(rp.grads, want.grads)  # bit-exact: the replica takes the primary's step
+    with pytest.raises(WireError):
+        decode_replays(data, TABLES, max_ids=5)  # the bound is over all tables
+    with pytest.raises(WireError):
+        decode_replays(data, {"ngram": TABLES["ngram"]}, max_ids=6)  # an unknown table
+    other_key = Replay("value", VIEW, "p-a.00ff/flush:4", IDS["value"], g["value"], parts[1].pre_step)
+    for bad in ([], [parts[0], other_key], [parts[0], parts[0]],
+                [Replay("ngram", VIEW, "k:1", IDS["ngram"], g["ngram"], parts[0].pre_step[:2])]):
+        with pytest.raises(WireError):
+            encode_replays(bad)
+    # a table without its update counters, or with negative ones, is refused
+    no_s = safetensors.torch.save({"ngram.ids": torch.tensor([1, 2], dtype=torch.int32),
+                                   "ngram.g": torch.zeros(2, 8)}, metadata={"v": "1", "view": VIEW, "key": "k:1"})
+    neg = safetensors.torch.save({"ngram.ids": torch.tensor([1, 2], dtype=torch.int32),
+                                  "ngram.s": torch.tensor([0, -1], dtype=torch.int32),
+                                  "ngram.g": torch.zeros(2, 8)}, metadata={"v": "1", "view": VIEW, "key": "k:1"})
+    for blob in (no_s, neg):
+        with pytest.raises(WireError):
+            decode_replays(blob, TABLES, max_ids=6)
 
 
 @pytest.mark.parametrize("kind", ["adam", "adagrad"])
@@ -203,15 +236,17 @@ def _valid_blobs() -> dict[str, bytes]:
     sh, upd = shard_with_update()
     req = PullRequest(VIEW, "fp16", IDS)
     rp = Replay("ngram", VIEW, "a:1", IDS["ngram"], torch.randn(4, 8), torch.zeros(4, dtype=torch.int64))
+    rp2 = Replay("value", VIEW, "a:1", IDS["value"], torch.randn(len(IDS["value"]), 8),
+                 torch.arange(len(IDS["value"]), dtype=torch.int64))
     return {
         "pull": encode_pull(req),
         "rows": encode_rows(rows_for(IDS), "fp16"),
         "rows8": encode_rows(rows_for(IDS), "int8"),
         "push": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "bf16"),
         "push8": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "int8"),
-        "replay8": encode_replay(rp, "int8"),
+        "replay8": encode_replays([rp], ["int8"]),
         "push4": encode_push(PushRequest(VIEW, "a:1", IDS, dict(rows_for(IDS))), "int4"),
-        "replay4": encode_replay(rp, "int4"),
+        "replay4": encode_replays([rp, rp2], ["int4", "bf16"]),
         "replica": encode_replica("ngram", upd, VIEW, "a:1"),
         "slot": encode_slot("ngram", 3, sh.export_slot(3), VIEW),
     }
@@ -226,9 +261,9 @@ DECODERS = {
     "rows8": lambda b: decode_rows(b, REQ8, DIMS),
     "push": lambda b: decode_push(b, TABLES, 64),
     "push8": lambda b: decode_push(b, TABLES, 64),
-    "replay8": lambda b: decode_replay(b, TABLES, 64),
+    "replay8": lambda b: decode_replays(b, TABLES, 64),
     "push4": lambda b: decode_push(b, TABLES, 64),
-    "replay4": lambda b: decode_replay(b, TABLES, 64),
+    "replay4": lambda b: decode_replays(b, TABLES, 64),
     "replica": lambda b: decode_replica(b, TABLES),
     "slot": lambda b: decode_slot(b, TABLES, OM),
 }

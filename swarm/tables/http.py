@@ -4,7 +4,7 @@ TableService (routes) and the client side a training peer uses each step.
 Routes (docs/protocol.md, "Sharded tables"):
   POST /v1/rows/pull     PullRequest (msgpack)    -> rows (safetensors), in request order
   POST /v1/rows/push     PushRequest (safetensors) -> JSON, after the replicas acknowledged
-  POST /v1/rows/replay   a primary's applied push, replayed by a replica (safetensors) -> JSON
+  POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors) -> JSON
   POST /v1/rows/replica  full-state replica update, after a replay was refused (safetensors) -> JSON
   POST /v1/rows/slots    {"table", "slots": [..]} (msgpack) -> {"slots": [slot blob, ...]} (msgpack)
 
@@ -29,8 +29,9 @@ from ..wire import BadRequest, msgpack_response, pack, read_body, unpack_map
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
-from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, roundtrip, decode_push, decode_replay,
-                   decode_replica, decode_rows, encode_pull, encode_push, encode_replay, encode_replica, encode_rows)
+from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
+                   decode_replica, decode_rows, encode_pull, encode_push, encode_replays, encode_replica, encode_rows,
+                   roundtrip)
 
 log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
@@ -280,7 +281,7 @@ class PushBatcher:
     """The primary's side of row pushes: a push is checked and queued at once (TableService.
     accept_push); ``window`` seconds after the first one, every queued push is applied together
     (TableService.flush: one update per row) and the flush's replays go to the replicas, one
-    request per replica and table. Flushes run one at a time, so a replica receives them in the
+    request per replica. Flushes run one at a time, so a replica receives them in the
     order they were applied. Each push is answered when its flush has been replicated."""
 
     def __init__(self, client: "TableClient", window: float):
@@ -295,7 +296,12 @@ class PushBatcher:
         """Apply ``req`` with the next flush; True when its replicas acknowledged it. Raises the
         service's refusal (Fenced, NotPrimary, Moving, ShardError): at once, or at the flush when
         the map changed in between."""
-        ticket = await self.client.work(self.client.service.accept_push, req)
+        return await self.wait(await self.client.work(self.client.service.accept_push, req))
+
+    async def wait(self, ticket: int | None) -> bool:
+        """Wait for the flush of the push TableService.accept_push queued as ``ticket`` (None: a
+        repeat, acknowledged at once); True when its replicas acknowledged it. Raises the refusal
+        of a push whose map changed before its flush."""
         if ticket is None:
             return True  # a repeat of a push already applied (or queued)
         if ticket in self._done:
@@ -345,14 +351,15 @@ class PushBatcher:
 async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
     """Send a primary's applied pushes to its replicas and wait for them (bounded); True if all landed.
 
-    Each replica replays the same gradients, in the smallest wire dtype that carries them exactly
-    (a push that came in int8 or bf16 replays in it). A replica that missed an update answers 409
-    replica-diverged and gets the rows' full state instead."""
-    async def one(peer: str, rp: Replay) -> bool:
+    One message per replica carries every table of a flush. Each replica replays the same
+    gradients, in the smallest wire dtype that carries them exactly (a push that came in int4 or
+    bf16 replays in it). A replica that missed an update answers 409 replica-diverged, applies
+    nothing of the message, and gets the rows' full state instead, one table at a time."""
+    async def one(peer: str, rps: list[Replay]) -> bool:
         addr = client.addr_of(peer)
         if addr is None:
             return False
-        body = await asyncio.to_thread(encode_replay, rp, rp.dtype or exact_dtype(rp.grads))
+        body = await asyncio.to_thread(encode_replays, rps, [rp.dtype or exact_dtype(rp.grads) for rp in rps])
         try:
             await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
@@ -361,6 +368,9 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
         except PeerUnreachable as e:
             if e.code != "replica-diverged":
                 return False
+        return all([await heal(addr, rp) for rp in rps])
+
+    async def heal(addr: str, rp: Replay) -> bool:
         try:
             state = await client.work(client.service.full_state, rp.table, rp.ids)
         except (Moving, NotPrimary, ShardError):
@@ -374,7 +384,12 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
         except PeerUnreachable:
             return False
 
-    oks = await asyncio.gather(*(one(p, rp) for p, rps in forward.items() for rp in rps))
+    # one message per replica and flush (a host group's owner forwards several pushes, keyed apart)
+    messages: dict[tuple[str, str, str], list[Replay]] = {}
+    for peer, rps in forward.items():
+        for rp in rps:
+            messages.setdefault((peer, rp.view, rp.key), []).append(rp)
+    oks = await asyncio.gather(*(one(peer, rps) for (peer, _, _), rps in messages.items()))
     return all(oks)
 
 
@@ -448,38 +463,47 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def decoded_then_applied(request: web.Request, route: str, what: str, decode, apply):
-        """The shared path of the write routes: bounded read, decode off the loop (400 on WireError),
-        then ``apply(peer, msg)`` (a coroutine; the service's refusals mapped to 409/503)."""
+        """The shared path of the write routes: bounded read, then ``apply(peer, decode(body, peer))``
+        in one call on the table thread (one thread hop, not two: these bodies are small and
+        frequent); 400 on WireError, the service's refusals mapped to 409/503."""
         peer = ready(request)
         body = await read_body(request, body_limits(peer.tables)[route])
+
+        def run():
+            try:
+                msg = decode(body, peer)
+            except WireError as e:
+                raise BadRequest(f"bad {what}: {e}") from None
+            return apply(peer, msg)
+
         try:
-            msg = await asyncio.to_thread(decode, body, peer)
-        except WireError as e:
-            raise BadRequest(f"bad {what}: {e}") from None
-        try:
-            return await apply(peer, msg)
+            return await peer.table_work(run)
         except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
             raise _service_errors(e) from None
 
     async def push(request: web.Request) -> web.Response:
-        replicated = await decoded_then_applied(
+        ticket = await decoded_then_applied(
             request, "/v1/rows/push", "push request",
             lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
-            lambda p, req: p.table_client.batcher.submit(req))  # applied with the next flush
+            lambda p, req: p.tables.accept_push(req))  # checked and queued now, applied with the next flush
+        try:
+            replicated = await ready(request).table_client.batcher.wait(ticket)
+        except (Fenced, Moving, NotPrimary, ShardError) as e:
+            raise _service_errors(e) from None
         return web.json_response({"applied": True, "replicated": replicated})
 
     async def replica(request: web.Request) -> web.Response:
         fresh = await decoded_then_applied(
             request, "/v1/rows/replica", "replica update",
             lambda body, p: decode_replica(body, p.tables.by_name, p.tables.opt.kind),
-            lambda p, m: p.table_work(p.tables.apply_replica, *m))
+            lambda p, m: p.tables.apply_replica(*m))
         return web.json_response({"applied": fresh})
 
     async def replay(request: web.Request) -> web.Response:
         fresh = await decoded_then_applied(
             request, "/v1/rows/replay", "replay",
-            lambda body, p: decode_replay(body, p.tables.by_name, MAX_IDS),
-            lambda p, rp: p.table_work(p.tables.apply_replay, rp))
+            lambda body, p: decode_replays(body, p.tables.by_name, MAX_IDS),
+            lambda p, rps: p.tables.apply_replays(rps))
         return web.json_response({"applied": fresh})
 
     async def slots(request: web.Request) -> web.Response:

@@ -337,22 +337,27 @@ class TableService:
                 part = Replay(rp.table, rp.view, rp.key, rp.ids[sel], rp.grads[t], rp.pre_step[t], rp.dtype)
                 forward.setdefault(self.map.members[member_idx], []).append(part)
 
-    def apply_replay(self, rp: Replay) -> bool:
-        """Replay a primary's optimizer step on our replica rows: the same gradients on rows at the
-        same update count give the same bits. False (ignored) when it is a repeat; Diverged when
-        our rows are not where the primary's were (a missed or reordered update)."""
-        self._fence(rp.view)
-        if (rp.key, "replica:" + rp.table) in self.applied:
-            return False
-        self._held(rp.table, rp.ids)
-        shard = self.shards[rp.table]
-        if not torch.equal(shard.steps(rp.ids), rp.pre_step):
-            self.stats.replays_diverged += 1
-            raise Diverged(f"replica rows of {rp.table!r} are not at the primary's update count")
-        shard.apply_grads(rp.ids, rp.grads)
-        self._remember((rp.key, "replica:" + rp.table))
-        self.stats.replays_applied += 1
-        return True
+    def apply_replays(self, rps: list[Replay]) -> bool:
+        """Replay a primary's optimizer step on our replica rows (one message: every table of one
+        flush): the same gradients on rows at the same update count give the same bits. All or
+        nothing: Diverged when any table's rows are not where the primary's were (a missed or
+        reordered update), and nothing is applied. False (ignored) when it is a repeat."""
+        todo = []
+        for rp in rps:
+            self._fence(rp.view)
+            if (rp.key, "replica:" + rp.table) in self.applied:
+                continue
+            self._held(rp.table, rp.ids)
+            if not torch.equal(self.shards[rp.table].steps(rp.ids), rp.pre_step):
+                self.stats.replays_diverged += 1
+                raise Diverged(f"replica rows of {rp.table!r} are not at the primary's update count")
+            self.shards[rp.table].check_grads(rp.ids, rp.grads)
+            todo.append(rp)
+        for rp in todo:
+            self.shards[rp.table].apply_grads(rp.ids, rp.grads)
+            self._remember((rp.key, "replica:" + rp.table))
+            self.stats.replays_applied += 1
+        return bool(todo)
 
     def full_state(self, table: str, ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Current rows and optimizer state, for a replica that diverged (a full-state update)."""

@@ -22,7 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -32,7 +32,7 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import state_keys
 
-__all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replay", "decode_replay",
+__all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
@@ -229,6 +229,16 @@ class _Blob:
             return torch.zeros(shape, dtype=torch.int64)
         return torch.from_numpy(np.frombuffer(self.data, _ST[dt][0], n, off).astype(np.int64).reshape(shape))
 
+    def raw(self, name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An integer tensor as stored (I8 -> int8, U8 -> uint8), not widened: the quantized rows."""
+        dt, shp, off = self.entries[name]
+        if dt != dtype:
+            raise WireError(f"tensor {name[:60]!r}: dtype {dt}, expected {dtype}")
+        if shp != tuple(shape):
+            raise WireError(f"tensor {name[:60]!r}: shape {list(shp)}, expected {list(shape)}")
+        arr = np.frombuffer(self.data, _ST[dt][0], math.prod(shape), off).reshape(shape)
+        return torch.from_numpy(arr.copy())  # (frombuffer is read-only)
+
 
 def _save(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
     return safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in tensors.items()}, metadata=meta)
@@ -253,26 +263,29 @@ def quantize(x: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tens
     mant, exp = torch.frexp(amax / qmax)  # amax / qmax = mant * 2**exp, mant in [0.5, 1)
     exp = torch.where(mant > 0.5, exp, exp - 1).clamp(min=-126, max=127)
     scale = torch.ldexp(torch.ones_like(amax), exp)
-    q = torch.round(x / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    # x * 2**-e is exactly x / 2**e (a power of two), and cheaper; 2**-e is finite for e >= -126
+    q = torch.round(x * torch.ldexp(torch.ones_like(amax), -exp)[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32) * scale[:, None]
+    return q.to(torch.float32, copy=True).mul_(scale[:, None])
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int8 [n, d] in -8..7 -> uint8 [n, ceil(d / 2)]: column 2j in the low nibble, 2j+1 in the high."""
     if q.shape[1] % 2:
         q = torch.cat([q, torch.zeros(q.shape[0], 1, dtype=q.dtype)], dim=1)
-    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    return u[:, 0::2] | (u[:, 1::2] << 4)
+    u = q.view(torch.uint8)  # two's complement: the low nibble is the value's 4-bit pattern
+    return (u[:, 0::2] & 0xF) | (u[:, 1::2] << 4)
 
 
 def unpack_int4(p: torch.Tensor, d: int) -> torch.Tensor:
     """pack_int4's inverse: uint8 [n, ceil(d / 2)] -> int8 [n, d] (nibbles sign-extended)."""
-    both = torch.stack([p & 0xF, p >> 4], dim=2).reshape(p.shape[0], 2 * p.shape[1])[:, :d].to(torch.int16)
-    return torch.where(both >= 8, both - 16, both).to(torch.int8)
+    v = p.to(torch.uint8).view(torch.int8)
+    lo = torch.bitwise_right_shift(torch.bitwise_left_shift(v, 4), 4)  # arithmetic: sign-extends
+    hi = torch.bitwise_right_shift(v, 4)
+    return torch.stack([lo, hi], dim=2).reshape(p.shape[0], 2 * p.shape[1])[:, :d]
 
 
 def roundtrip(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -302,9 +315,9 @@ def _take(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, i
         if name + ".scale" not in blob.entries:
             raise WireError(f"{stored} tensor {name[:60]!r} needs {name[:60]!r}.scale")
         if stored == "U8":
-            q = unpack_int4(blob.get(name, ("U8",), (shape[0], (shape[1] + 1) // 2)), shape[1])
+            q = unpack_int4(blob.raw(name, "U8", (shape[0], (shape[1] + 1) // 2)), shape[1])
         else:
-            q = blob.get(name, ("I8",), shape)
+            q = blob.raw(name, "I8", shape)
         scale = blob.get(name + ".scale", ("F32",), (shape[0],))
         if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise WireError(f"{what}: scales must be finite and positive")
@@ -584,39 +597,68 @@ class Replay:
     dtype: str | None = None  # a wire dtype that carries ``grads`` exactly, when the primary knows one
 
 
-def encode_replay(rp: Replay, dtype: str = "fp32") -> bytes:
-    _check_view(rp.view)
-    _check_key(rp.key)
-    _check_dtype(dtype)
-    ids = _ids_in(rp.ids, 1 << 31, "replay")
-    g, s = rp.grads, rp.pre_step
-    if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != ids.size:
-        raise WireError("replay grads must be [len(ids), dim]")
-    if not isinstance(s, torch.Tensor) or s.dtype != torch.int64 or tuple(s.shape) != (ids.size,):
-        raise WireError("replay pre_step must be int64 [len(ids)]")
-    # update counters fit int32 for ~2 billion steps of one row: send them in 4 bytes, not 8
-    out = {"ids": torch.from_numpy(ids.astype(np.int32)),
-           "s": s.to(torch.int32) if not s.numel() or int(s.max()) < 2**31 else s}
-    _put(out, "g", g, dtype, "replay grads")
-    return _save(out, {"v": str(VERSION), "table": rp.table, "view": rp.view, "key": rp.key})
+def encode_replays(parts: Sequence[Replay], dtypes: Sequence[str] | None = None) -> bytes:
+    """One flush's replays for one replica, every table in one message (one request per replica
+    and flush, not per table). ``dtypes``: each part's wire dtype (default: its own, else fp32)."""
+    if not parts:
+        raise WireError("a replay message needs at least one table")
+    view, key = _check_view(parts[0].view), _check_key(parts[0].key)
+    out: dict[str, torch.Tensor] = {}
+    for i, rp in enumerate(parts):
+        dtype = dtypes[i] if dtypes is not None else (rp.dtype or "fp32")
+        _check_dtype(dtype)
+        if (rp.view, rp.key) != (view, key):
+            raise WireError("the parts of a replay message must share one view and key")
+        if f"{rp.table}.ids" in out:
+            raise WireError(f"table {rp.table!r} twice in one replay message")
+        ids = _ids_in(rp.ids, 1 << 31, "replay")
+        g, st = rp.grads, rp.pre_step
+        if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != ids.size:
+            raise WireError("replay grads must be [len(ids), dim]")
+        if not isinstance(st, torch.Tensor) or st.dtype != torch.int64 or tuple(st.shape) != (ids.size,):
+            raise WireError("replay pre_step must be int64 [len(ids)]")
+        out[f"{rp.table}.ids"] = torch.from_numpy(ids.astype(np.int32))
+        # update counters fit int32 for ~2 billion steps of one row: send them in 4 bytes, not 8
+        out[f"{rp.table}.s"] = st.to(torch.int32) if not st.numel() or int(st.max()) < 2**31 else st
+        _put(out, f"{rp.table}.g", g, dtype, f"replay grads of {rp.table!r}")
+    return _save(out, {"v": str(VERSION), "view": view, "key": key})
 
 
 @_guard
-def decode_replay(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> Replay:
-    """Known table, ids strictly increasing < rows (at most max_ids), grads [n, dim] finite, pre_step >= 0."""
+def decode_replays(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> list[Replay]:
+    """Known tables, each with exactly "<t>.ids", "<t>.s" and "<t>.g" (and "<t>.g.scale" when int8 /
+    int4); ids strictly increasing < rows (at most max_ids in all), grads [n, dim] finite,
+    pre_step >= 0. Returns one Replay per table, in the blob's order."""
     tables = _tables(tables)
     blob = _Blob(data)
-    _meta(blob.meta, {"v", "table", "view", "key"})
-    spec = _spec(tables, blob.meta["table"])
+    _meta(blob.meta, {"v", "view", "key"})
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
-    blob.names(_int8_names({"ids", "g", "s"}, {"g": blob.entries.get("g", ("",))[0]}))
-    _, shp, _ = blob.entries["ids"]
-    if len(shp) != 1 or shp[0] > max_ids:
-        raise WireError(f"replay ids must be 1-D with at most {max_ids} entries")
-    n = shp[0]
-    ids = _check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replay")
-    g = _take(blob, "g", (*_FLOATS, *_SCALED), (n, spec.dim), "replay grads")
-    s = blob.get("s", ("I32", "I64"), (n,)).to(torch.int64)
-    if n and int(s.min()) < 0:
-        raise WireError("replay pre_step has negative values")
-    return Replay(spec.name, view, key, ids, g, s)
+    names: dict[str, set[str]] = {}
+    for n in blob.entries:
+        t, part = (n[:-len(".g.scale")], "g.scale") if n.endswith(".g.scale") else n.rpartition(".")[::2]
+        if part not in ("ids", "s", "g", "g.scale"):
+            raise WireError(f"unexpected tensor {n[:60]!r}")
+        _spec(tables, t)
+        names.setdefault(t, set()).add(part)
+    if not names:
+        raise WireError("a replay message needs at least one table")
+    out, total = [], 0
+    for t, parts in names.items():
+        scaled = blob.entries.get(f"{t}.g", ("",))[0] in _SCALED
+        if parts != ({"ids", "s", "g", "g.scale"} if scaled else {"ids", "s", "g"}):
+            raise WireError(f"table {t!r} needs {t}.ids, {t}.s and {t}.g (and {t}.g.scale when int8/int4)")
+        spec = tables[t]
+        _, shp, _ = blob.entries[f"{t}.ids"]
+        if len(shp) != 1:
+            raise WireError(f"{t}.ids must be 1-D")
+        n = shp[0]
+        total += n
+        if total > max_ids:
+            raise WireError(f"replay ids must be at most {max_ids} in all")
+        ids = _check_ids(blob.get(f"{t}.ids", ("I32",), (n,)).numpy(), spec.rows, f"replay {t!r}")
+        g = _take(blob, f"{t}.g", (*_FLOATS, *_SCALED), (n, spec.dim), f"replay grads of {t!r}")
+        st = blob.get(f"{t}.s", ("I32", "I64"), (n,)).to(torch.int64)
+        if n and int(st.min()) < 0:
+            raise WireError(f"replay pre_step of {t!r} has negative values")
+        out.append(Replay(spec.name, view, key, ids, g, st))
+    return out
