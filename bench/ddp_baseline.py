@@ -38,6 +38,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison
     torch.set_num_threads(args.threads)
 
     corpus = load_corpus()

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from ddp_baseline import lr_at, peer_seed  # noqa: E402
+from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
@@ -148,6 +149,7 @@ def main() -> None:
                     help="wire format of averaged gradients and parameters (none = fp32, like DDP)")
     ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for all peers to appear")
     args = ap.parse_args()
+    keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison
     torch.set_num_threads(args.threads)
 
     import hivemind  # noqa: E402  (optional dependency: imported only here)

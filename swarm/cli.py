@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from .allocator import keep_freed_memory
 from .config import ConfigError, PeerConfig, field_names, from_env
 
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
@@ -107,6 +108,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()  # before the model and the tables allocate (swarm/allocator.py)
     try:
         cfg, verbose = parse_config(argv)
     except ConfigError as e:
