@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """glibc's default malloc thresholds against swarm/allocator.py's, side by side, one process each.
 
-A peer's table thread runs a row-wise Adam step on every flush and replay. Measured here on one
-shard (--table-rows rows, dim 128): the time per step of --rows random rows and the minor page
-faults each step causes, with and without keep_freed_memory(). Each variant runs in its own fresh
-interpreter (the setting is process-wide and cannot be undone), alternating, --rounds times; the
-medians are printed and the LAST line is one JSON object.
+Two things a peer does every step, each timed (median) with the minor page faults it causes, with
+and without keep_freed_memory(): a forward/backward of the default model on one batch
+(Trainer.compute; the rows come with the call, as pulled rows do), and a row-wise Adam step of
+--rows random rows of one table shard (a 4-peer flush or replay). Each variant runs in its own
+fresh interpreter (the setting is process-wide and cannot be undone), alternating, --rounds times;
+the medians over rounds are printed and the LAST line is one JSON object.
 
     python3 bench/allocator.py
 """
@@ -29,24 +30,39 @@ if tune:
     assert keep_freed_memory()
 import numpy as np, torch
 torch.set_num_threads(1)
+from swarm.config import PeerConfig
+from swarm.data import load_corpus
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
+from swarm.trainer import Trainer
+
+
+def timed(fn, n):
+    for i in range(3):
+        fn(i)
+    times, f0 = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+    return {"ms": sorted(times)[len(times) // 2] * 1e3,
+            "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / n}
+
+
 spec = TableSpec("ngram", table_rows, 128)
 sh = TableShard(spec, OwnershipMap([spec], ["a"], slots=1024), RowOptConfig(lr=0.03))
 sh.create_slots(list(range(1024)))
 rng = np.random.default_rng(0)
 batches = [(np.sort(rng.choice(table_rows, rows, replace=False)), torch.randn(rows, 128) * 1e-3) for _ in range(8)]
-for ids, g in batches:
-    sh.apply_grads(ids, g)
-times = []
-f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for i in range(steps):
-    ids, g = batches[i % len(batches)]
-    t = time.perf_counter()
-    sh.apply_grads(ids, g)
-    times.append(time.perf_counter() - t)
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps
-print(json.dumps({"ms": sorted(times)[len(times) // 2] * 1e3, "faults": faults}))
+adam = timed(lambda i: sh.apply_grads(*batches[i % len(batches)]), steps)
+
+tr = Trainer(PeerConfig(table_rows=table_rows), load_corpus())
+tr.set_shard(0, 1, seed=0)
+def train_step(i):
+    batch, want = tr.sample()
+    tr.compute(batch, want, {t: torch.randn(len(ids), 128) * 0.01 for t, ids in want.items()})
+train = timed(train_step, max(10, steps // 10))
+print(json.dumps({"adam": adam, "train": train}))
 """
 
 
@@ -64,15 +80,18 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-c", CHILD, flag, str(a.rows), str(a.table_rows), str(a.steps)],
                                  env=env, capture_output=True, text=True, check=True)
             res[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    summary = {name: {"adam_step_ms": round(statistics.median(r["ms"] for r in runs), 3),
-                      "minor_faults_per_step": round(statistics.median(r["faults"] for r in runs), 1)}
-               for name, runs in res.items()}
-    summary["speedup"] = round(summary["default"]["adam_step_ms"] / summary["tuned"]["adam_step_ms"], 2)
+    summary: dict = {}
+    for name, runs in res.items():
+        summary[name] = {f"{what}_ms": round(statistics.median(r[what]["ms"] for r in runs), 2) for what in ("train", "adam")}
+        summary[name].update({f"{what}_faults": round(statistics.median(r[what]["faults"] for r in runs), 1)
+                              for what in ("train", "adam")})
+    summary["speedup"] = {what: round(summary["default"][f"{what}_ms"] / summary["tuned"][f"{what}_ms"], 2)
+                          for what in ("train", "adam")}
     for name in ("default", "tuned"):
-        print(f"{name:8s} {summary[name]['adam_step_ms']:7.3f} ms per {a.rows}-row Adam step, "
-              f"{summary[name]['minor_faults_per_step']:7.1f} minor faults per step")
+        r = summary[name]
+        print(f"{name:8s} training step {r['train_ms']:7.1f} ms ({r['train_faults']:7.1f} minor faults), "
+              f"{a.rows}-row Adam step {r['adam_ms']:6.2f} ms ({r['adam_faults']:7.1f} minor faults)")
     print(json.dumps({"rows": a.rows, **summary}))
-
 
 if __name__ == "__main__":
     main()
