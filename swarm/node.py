@@ -531,7 +531,7 @@ class Peer(MembershipShell):
             batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch())
             prefetched = None
             self.step_times.mark("rows")
-            stats, flat, row_grads = await self.work(self.trainer.compute, batch, want, rows)
+            stats, row_grads, enc = await self.work(self._compute_and_compress, batch, want, rows, step)
             self.step_times.mark("compute")
             last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
             if last:  # the last rows go out before the last payload (_settle_rows relies on it)
@@ -539,7 +539,6 @@ class Peer(MembershipShell):
                 self._push_rows(row_grads, missing, step)
             # otherwise the payload first: the round waits for it, while row pushes only need to land
             # within the owners' push window (on a slow link, bytes queued ahead of it delay everyone)
-            enc: Encoded = await self.work(self.compressor.compress, flat, step)
             self.book.offer(enc.decoded)
             self._broadcast(enc)
             if self.cfg.prefetch and not last:
@@ -559,6 +558,11 @@ class Peer(MembershipShell):
             prefetched.cancel()
             await asyncio.gather(prefetched, return_exceptions=True)
         await self._drain_pushes(keep=0)
+
+    def _compute_and_compress(self, batch, want, rows, step: int) -> tuple[Any, dict, Encoded]:
+        """Forward/backward, then the payload of its gradient: one trip to the training thread."""
+        stats, flat, row_grads = self.trainer.compute(batch, want, rows)
+        return stats, row_grads, self.compressor.compress(flat, step)
 
     def record_contribution(self, stats: Any, enc: Encoded | None) -> None:
         """Count a computed step (``enc``: the payload we sent for it, if we sent one)."""

@@ -25,7 +25,7 @@ import torch
 from aiohttp import web
 
 from ..transport import PeerUnreachable, Transport
-from ..wire import BadRequest, msgpack_response, pack, read_body, unpack_map
+from ..wire import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
@@ -132,7 +132,7 @@ class TableClient:
             return None, False  # every owner of these slots is down right now
         if peer == self.self_id:
             try:
-                out = {t: await self.work(self.service.read_local, t, ids) for t, ids in sub.items()}
+                out = await self.work(lambda: {t: self.service.read_local(t, ids) for t, ids in sub.items()})
             except (Moving, NotPrimary):
                 return None, False
             self.stats.rows_read_local += sum(len(v) for v in sub.values())
@@ -145,7 +145,10 @@ class TableClient:
             data = await self.transport.request("POST", addr + "/v1/rows/pull", body=encode_pull(req),
                                                 timeout=self.timeout, reply_limit=_rows_limit(sub, self.dims) + 65536,
                                                 kind="rows", reply_kind="rows")
-            out = await asyncio.to_thread(decode_rows, data, req, self.dims)
+            if len(data) <= INLINE_BYTES:  # a thread hop costs about what decoding this does
+                out = decode_rows(data, req, self.dims)
+            else:
+                out = await asyncio.to_thread(decode_rows, data, req, self.dims)
         except PeerUnreachable as e:
             return None, e.status is None
         except WireError:
@@ -165,7 +168,11 @@ class TableClient:
             for table, (ids, _) in todo.items():
                 for peer, sub in omap.plan(table, ids).items():
                     by_peer.setdefault(peer, {})[table] = sub
-            oks = await asyncio.gather(*(self._push_to(peer, sub, todo, key, omap.view) for peer, sub in by_peer.items()))
+            reqs = {peer: self._part(sub, todo, key, omap.view) for peer, sub in by_peer.items()}
+            remote = {p: r for p, r in reqs.items() if p not in ("", self.self_id)}
+            # every primary's body in one trip to a helper thread (one hop a step, not one per primary)
+            bodies = await asyncio.to_thread(lambda: {p: encode_push(r, self.push_dtype) for p, r in remote.items()})
+            oks = await asyncio.gather(*(self._push_to(peer, req, bodies.get(peer)) for peer, req in reqs.items()))
             for (peer, sub), ok in zip(by_peer.items(), oks):
                 if not ok:
                     continue
@@ -183,13 +190,17 @@ class TableClient:
             self.stats.push_failures += 1
         return not todo
 
-    async def _push_to(self, peer: str, sub: dict[str, np.ndarray], todo, key: str, view: str) -> bool:
+    @staticmethod
+    def _part(sub: dict[str, np.ndarray], todo, key: str, view: str) -> PushRequest:
+        """The push of ``sub``'s rows (a subset of each table's ``todo`` ids) with their gradients."""
         parts = {}
         for table, ids in sub.items():
             all_ids, g = todo[table]
-            pos = torch.from_numpy(np.searchsorted(all_ids, ids))
-            parts[table] = g[pos]
-        req = PushRequest(view=view, key=key, ids=sub, grads=parts)
+            parts[table] = g[torch.from_numpy(np.searchsorted(all_ids, ids))]
+        return PushRequest(view=view, key=key, ids=sub, grads=parts)
+
+    async def _push_to(self, peer: str, req: PushRequest, body: bytes | None) -> bool:
+        """One primary's part of a push (``body``: it encoded, for a remote primary)."""
         self.stats.pushes_sent += 1
         if peer == self.self_id:
             # no wire: the flush rounds what it applies to the push dtype, as for a remote push
@@ -199,10 +210,9 @@ class TableClient:
                 return False
             return True
         addr = self.addr_of(peer)
-        if addr is None or peer == "":
+        if addr is None or peer == "" or body is None:
             return False
         try:
-            body = await asyncio.to_thread(encode_push, req, self.push_dtype)
             await self.transport.request("POST", addr + "/v1/rows/push", body=body, timeout=self.timeout,
                                          content_type="application/octet-stream", kind="rows", reply_kind="rows")
             return True
@@ -324,7 +334,11 @@ class PushBatcher:
                 log.exception("flushing row pushes failed")
                 outcome = {t: Moving(f"the flush failed: {type(e).__name__}") for t in self._waiting}
                 forward = {}
-            replicated = await replicate(self.client, forward)
+            try:
+                replicated = await replicate(self.client, forward)
+            except Exception:  # a bug, not a refusal: the flush is applied here, so answer (unreplicated)
+                log.exception("replicating a flush failed")
+                replicated = False
             for ticket, err in outcome.items():
                 fut = self._waiting.pop(ticket, None)
                 if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
@@ -355,11 +369,10 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
     gradients, in the smallest wire dtype that carries them exactly (a push that came in int4 or
     bf16 replays in it). A replica that missed an update answers 409 replica-diverged, applies
     nothing of the message, and gets the rows' full state instead, one table at a time."""
-    async def one(peer: str, rps: list[Replay]) -> bool:
+    async def one(peer: str, rps: list[Replay], body: bytes) -> bool:
         addr = client.addr_of(peer)
         if addr is None:
             return False
-        body = await asyncio.to_thread(encode_replays, rps, [rp.dtype or exact_dtype(rp.grads) for rp in rps])
         try:
             await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
@@ -389,7 +402,12 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
     for peer, rps in forward.items():
         for rp in rps:
             messages.setdefault((peer, rp.view, rp.key), []).append(rp)
-    oks = await asyncio.gather(*(one(peer, rps) for (peer, _, _), rps in messages.items()))
+    if not messages:
+        return True
+    # every replica's body in one trip to a helper thread
+    bodies = await asyncio.to_thread(lambda: [encode_replays(rps, [rp.dtype or exact_dtype(rp.grads) for rp in rps])
+                                              for rps in messages.values()])
+    oks = await asyncio.gather(*(one(peer, rps, body) for ((peer, _, _), rps), body in zip(messages.items(), bodies)))
     return all(oks)
 
 
