@@ -41,7 +41,12 @@ What is measured (the same way for every method):
                gradients, table rows, control, TCP/IP headers), mean over peers; the swarm's own
                per-kind counters are reported too.
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
-               the measured wait (fwd+bwd time beyond the same under no_sync).
+               the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
+               `step_phases` (waiting for rows and for the round, against computing) are printed too.
+  step ratio   swarm step time / contended floor step time, as the median over --step-repeats
+               (default 3) pairs of the two run back to back (the first pair is the runs above; this
+               machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
+               much less).
 
 Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
 
@@ -57,6 +62,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -178,8 +184,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: float | None,
-              target: float | None) -> dict:
-    """The final JSON line from per-method results ({"curve", "bytes_per_peer", ...})."""
+              target: float | None, pairs: list[tuple[float, float]] | None = None) -> dict:
+    """The final JSON line from per-method results ({"curve", "bytes_per_peer", ...}); ``pairs``:
+    (contended floor, swarm) step times of back-to-back runs, whose median ratio is the step-time
+    figure (without pairs: the swarm run against the floor run)."""
     ttt = {m: r.get("time_to_target_s") for m, r in runs.items()}
     sw = runs.get("swarm", {})
     # a baseline that never reached the target took longer than its whole run: a lower bound
@@ -199,7 +207,9 @@ def summarize(runs: dict[str, dict], floor_contended: float | None, floor_solo: 
                                               sw.get("run_bytes_per_peer")),
         "bytes_ratio_vs_sparse_ddp": ratio(runs.get("ddp-sparse", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
         "bytes_ratio_vs_hivemind": ratio(runs.get("hivemind", {}).get("bytes_per_peer"), sw.get("bytes_per_peer")),
-        "step_time_over_compute_floor": ratio(sw.get("step_time_s"), floor_contended),
+        "step_time_over_compute_floor": (round(statistics.median(sw_s / fl_s for fl_s, sw_s in pairs), 3) if pairs
+                                         else ratio(sw.get("step_time_s"), floor_contended)),
+        "step_time_ratios": [round(sw_s / fl_s, 3) for fl_s, sw_s in pairs or []],
         "step_time_over_solo_compute_floor": ratio(sw.get("step_time_s"), floor_solo),
         "compute_floor_step_s": None if floor_contended is None else round(floor_contended, 4),
         "solo_compute_floor_step_s": None if floor_solo is None else round(floor_solo, 4),
@@ -775,6 +785,8 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.01, help="added to the worst final loss to make the target")
     ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
     ap.add_argument("--only", action="append", choices=METHODS, help="run only these methods (repeatable)")
+    ap.add_argument("--step-repeats", type=int, default=3,
+                    help="(contended floor, swarm) pairs whose median step-time ratio is reported (default 3)")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one method may take")
     ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
@@ -793,6 +805,9 @@ def main() -> int:
     if msg:
         print(msg)
         return 0
+    if a.step_repeats < 1:
+        print("--step-repeats must be at least 1", file=sys.stderr)
+        return 2
     if a.delay_ms > 0:
         print("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet", file=sys.stderr)
         return 2
@@ -819,6 +834,7 @@ def main() -> int:
             hivemind_note = {"version": version, "python": hivemind_python}
     t_start = time.time()
     runs: dict[str, dict] = {}
+    pairs: list[tuple[float, float]] = []  # (contended floor, swarm) step times, run back to back
     try:
         wan.up()
         print(f"namespaces up: {a.peers} peers, tbf {a.rate} each way; steps {a.steps}, batch {a.batch_size}/peer, "
@@ -844,6 +860,17 @@ def main() -> int:
                 print(f"{m} step phases, ms per step (mean over peers): {r['step_phases_ms']}", flush=True)
             if isinstance(hivemind_note, dict) and m == "hivemind":
                 hivemind_note.update(r.get("health") or {})
+        if "swarm" in runs and runs["swarm"].get("step_time_s") and floor.get("step_time_s"):
+            # this machine's speed drifts by +-10% from minute to minute: the step-time ratio is the
+            # median over pairs of (contended floor, swarm) run back to back
+            pairs.append((floor["step_time_s"], runs["swarm"]["step_time_s"]))
+            for k in range(1, a.step_repeats):
+                fl = run_floor(wan, a, a.peers, log)
+                sw = run_swarm(wan, a, "topk-int8", log)
+                if fl.get("step_time_s") and sw.get("step_time_s"):
+                    pairs.append((fl["step_time_s"], sw["step_time_s"]))
+                print(f"step-time pair {k + 1}: floor {_f(fl.get('step_time_s'), 3)}, swarm {_f(sw.get('step_time_s'), 3)} "
+                      f"s/step", flush=True)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -856,7 +883,7 @@ def main() -> int:
     for r in runs.values():
         r["time_to_target_s"], r["target_step"] = time_to_target(r["curve"], target) if target is not None else (None, None)
         r["wait_share"] = wait_share(r["step_time_s"], floor["step_time_s"])
-    result = summarize(runs, floor["step_time_s"], solo["step_time_s"], target)
+    result = summarize(runs, floor["step_time_s"], solo["step_time_s"], target, pairs)
     result["hivemind"] = hivemind_note
     result["seconds"] = round(time.time() - t_start, 1)
     print(table(runs, floor, solo, target, a))

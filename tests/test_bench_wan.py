@@ -92,8 +92,12 @@ def test_summarize_ratios():
     assert out["speedup_vs_sparse_ddp_time_to_loss"] == 1.6
     assert out["speedup_vs_hivemind_time_to_loss"] is None
     assert out["bytes_ratio_vs_ddp"] == 60.0 and out["bytes_ratio_vs_ddp_whole_run"] == 30.0
-    assert out["step_time_over_compute_floor"] == 1.2
+    assert out["step_time_over_compute_floor"] == 1.2 and out["step_time_ratios"] == []
     assert out["step_time_over_solo_compute_floor"] == 3.0
+    # with back-to-back (floor, swarm) pairs: the median of their ratios
+    paired = wan.summarize(runs, floor_contended=0.5, floor_solo=0.2, target=2.5,
+                           pairs=[(0.5, 0.6), (0.4, 0.7), (0.5, 0.65)])
+    assert paired["step_time_ratios"] == [1.2, 1.75, 1.3] and paired["step_time_over_compute_floor"] == 1.3
     for key in ("speedup_vs_ddp_time_to_loss", "speedup_vs_sparse_ddp_time_to_loss",
                 "speedup_vs_hivemind_time_to_loss", "bytes_ratio_vs_ddp", "step_time_over_compute_floor"):
         assert key in out
