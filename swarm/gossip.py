@@ -159,8 +159,14 @@ class RoundBook:
         self.step = step
 
     def active_senders(self, step: int, window: int) -> set[str]:
-        """Peers that sent a payload for a step within ``window`` of ``step``: they are contributing."""
-        return {p for p, s in self.last_step_from.items() if s >= step - window}
+        """Peers in at least one of the ``window`` rounds taken before ``step`` (on time or late):
+        they are contributing. A peer whose payloads are all for ``step`` or later is not, yet: a
+        joiner that starts at step s and computes fast can send its step-s payload while we still
+        take round s-1, and must not make us wait for a round-(s-1) payload it will never send."""
+        out: set[str] = set()
+        for s in range(step - window, step):
+            out |= self.taken.get(s, frozenset())
+        return out
 
     def forget(self, peer_id: str) -> None:
         self.last_step_from.pop(peer_id, None)

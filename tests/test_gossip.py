@@ -104,6 +104,14 @@ def test_take_out_of_order_is_an_error():
 def test_active_senders_window():
     book = RoundBook()
     book.offer(C(0, "a"))
-    book.offer(C(5, "b"))
-    assert book.active_senders(6, window=2) == {"b"}
+    book.offer(C(1, "b"))  # b starts one round later, and is early with it
+    assert book.active_senders(0, window=2) == set()
+    book.take(0, {"a"}, now=0, timeout=1)
+    assert book.active_senders(1, window=2) == {"a"}  # not b: its payloads are all for round 1 on
+    book.offer(C(1, "a"))
+    book.take(1, {"a", "b"}, now=0, timeout=1)
     assert book.active_senders(2, window=2) == {"a", "b"}
+    book.offer(C(2, "b"))
+    book.take(2, {"a", "b"}, now=5, timeout=1)  # a missed round 2: still in the window through round 1
+    assert book.active_senders(3, window=2) == {"a", "b"}
+    assert book.active_senders(4, window=2) == {"b"}
