@@ -109,7 +109,8 @@ def test_rtt_is_smoothed_and_marks_the_peer_seen():
 # -- /api/status ------------------------------------------------------------------------------------
 async def test_status_of_a_training_pair_has_everything_the_page_draws(pair):
     a, b = pair
-    await until(lambda: a.book.step >= 12 and b.book.step >= 12 and a.timeline.links.get(b.id)
+    await until(lambda: a.book.step >= 12 and b.book.step >= 12 and a.step_times.report()["steps"] >= 12
+                and a.timeline.links.get(b.id)
                 and a.timeline.links[b.id].rtt is not None and a.timeline.swarm_loss.last()
                 and len(a.timeline.swarm_loss) and a.members.get(b.id).meta.get("loss") is not None)
     code, ctype, body = await get(a, "/api/status")
