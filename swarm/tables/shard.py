@@ -332,7 +332,7 @@ class TableShard:
         k = ids.size
         if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != (k, self.dim):
             raise ShardError(f"grads must be float32 [{k}, {self.dim}], got {_desc(grads)}")
-        if not _all_finite(grads):
+        if not all_finite(grads):
             raise ShardError("grads have non-finite values")
         self._pool_index(ids)
         return ids
@@ -363,8 +363,8 @@ class TableShard:
             acc.add_(g * g)
             row.sub_(o.lr * g / (torch.sqrt(acc) + o.eps))
             new_state = {"acc": acc}
-        if not _all_finite(x):  # name the culprit (the rare path)
-            bad = next(name for name, tns in (("rows", row), *new_state.items()) if not _all_finite(tns))
+        if not all_finite(x):  # name the culprit (the rare path)
+            bad = next(name for name, tns in (("rows", row), *new_state.items()) if not all_finite(tns))
             raise ShardError(f"the update makes {bad!r} non-finite (gradient too large)")
         self._pool.index_copy_(0, idx, x)
         self._step.index_copy_(0, idx, step)
@@ -404,7 +404,7 @@ def _desc(v) -> str:
     return type(v).__name__
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """Whether every value is finite. A sum is NaN or Inf when any value is, and costs a tenth of
     the elementwise test (measured: 0.05 against 0.6 ms for [2300, 128]); only a sum that overflowed
     on finite values needs the exact test."""

@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 
 from .ownership import OwnershipMap, TableSpec
-from .shard import state_keys
+from .shard import all_finite, state_keys
 
 __all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
            "encode_pull", "decode_pull", "encode_rows",
@@ -134,9 +134,7 @@ def _ids_in(ids, rows: int, what: str) -> np.ndarray:
 
 
 def _finite(t: torch.Tensor, what: str) -> None:
-    # a sum is NaN/Inf when any value is (and is ~10x cheaper than the elementwise test); only a sum
-    # that overflowed on finite values needs the exact test
-    if t.numel() and not math.isfinite(float(t.float().sum())) and not bool(torch.isfinite(t).all()):
+    if t.numel() and not all_finite(t.float()):  # (fp32: an fp16 sum of finite values overflows early)
         raise WireError(f"{what} has non-finite values")
 
 
@@ -211,13 +209,19 @@ class _Blob:
         if set(self.entries) != want:
             raise WireError(f"tensors must be {sorted(want)[:8]}, got {sorted(self.entries)[:8]}")
 
-    def get(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """fp32 for float dtypes, int64 for integer ones."""
+    def _entry(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> tuple[str, int]:
+        """(stored dtype, offset) of ``name``, refused unless its dtype is one of ``dtypes`` and its
+        shape is exactly ``shape``."""
         dt, shp, off = self.entries[name]
         if dt not in dtypes:
             raise WireError(f"tensor {name[:60]!r}: dtype {dt}, expected one of {dtypes}")
         if shp != tuple(shape):
             raise WireError(f"tensor {name[:60]!r}: shape {list(shp)}, expected {list(shape)}")
+        return dt, off
+
+    def get(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """fp32 for float dtypes, int64 for integer ones."""
+        dt, off = self._entry(name, dtypes, shape)
         n = math.prod(shape)
         if dt in _FLOATS:
             if n == 0:
@@ -232,11 +236,7 @@ class _Blob:
 
     def raw(self, name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         """An integer tensor as stored (I8 -> int8, U8 -> uint8), not widened: the quantized rows."""
-        dt, shp, off = self.entries[name]
-        if dt != dtype:
-            raise WireError(f"tensor {name[:60]!r}: dtype {dt}, expected {dtype}")
-        if shp != tuple(shape):
-            raise WireError(f"tensor {name[:60]!r}: shape {list(shp)}, expected {list(shape)}")
+        dt, off = self._entry(name, (dtype,), shape)
         arr = np.frombuffer(self.data, _ST[dt][0], math.prod(shape), off).reshape(shape)
         return torch.from_numpy(arr.copy())  # (frombuffer is read-only)
 
@@ -433,6 +433,35 @@ def encode_push(req: PushRequest, dtype: str = "fp32") -> bytes:
     return _save(out, {"v": str(VERSION), "view": req.view, "key": req.key})
 
 
+def _per_table(blob: "_Blob", tables: Mapping[str, TableSpec], extra: tuple[str, ...], max_ids: int,
+               what: str) -> list[tuple[TableSpec, np.ndarray]]:
+    """The tables of a push or replay blob: each is named by exactly "<t>.ids", "<t>.g" (plus
+    "<t>.g.scale" when int8 / int4) and the ``extra`` parts; ids are I32, strictly increasing,
+    < rows, at most max_ids over all tables. Returns (spec, ids) per table, in the blob's order."""
+    allowed = {"ids", "g", "g.scale", *extra}
+    names: dict[str, set[str]] = {}
+    for n in blob.entries:
+        t, part = (n[:-len(".g.scale")], "g.scale") if n.endswith(".g.scale") else n.rpartition(".")[::2]
+        if part not in allowed:
+            raise WireError(f"unexpected tensor {n[:60]!r}")
+        _spec(tables, t)
+        names.setdefault(t, set()).add(part)
+    out, total = [], 0
+    for t, parts in names.items():
+        scaled = blob.entries.get(f"{t}.g", ("",))[0] in _SCALED
+        if parts != {"ids", "g", *extra} | ({"g.scale"} if scaled else set()):
+            others = "".join(f", {t}.{p}" for p in extra)
+            raise WireError(f"table {t!r} needs {t}.ids, {t}.g{others} (and {t}.g.scale when int8/int4), nothing else")
+        _, shp, _ = blob.entries[f"{t}.ids"]
+        if len(shp) != 1:
+            raise WireError(f"{t}.ids must be 1-D")
+        total += shp[0]
+        if total > max_ids:
+            raise WireError(f"more than max_ids={max_ids} ids")
+        out.append((tables[t], _check_ids(blob.get(f"{t}.ids", ("I32",), shp).numpy(), tables[t].rows, f"{what} {t!r}")))
+    return out
+
+
 @_guard
 def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> PushRequest:
     """Known tables, both "<t>.ids" and "<t>.g" per table, ids strictly increasing < rows, at most
@@ -441,27 +470,11 @@ def decode_push(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
     blob = _Blob(data)
     _meta(blob.meta, {"v", "view", "key"})
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
-    names = {}
-    for n in blob.entries:
-        t, part = (n[:-len(".g.scale")], "g.scale") if n.endswith(".g.scale") else n.rpartition(".")[::2]
-        if part not in ("ids", "g", "g.scale"):
-            raise WireError(f"unexpected tensor {n[:60]!r}")
-        _spec(tables, t)
-        names.setdefault(t, set()).add(part)
-    ids, grads, total = {}, {}, 0
-    for t, parts in names.items():
-        scaled = blob.entries.get(f"{t}.g", ("",))[0] in _SCALED
-        if parts != ({"ids", "g", "g.scale"} if scaled else {"ids", "g"}):
-            raise WireError(f"table {t!r} needs {t}.ids and {t}.g (and {t}.g.scale when int8/int4), nothing else")
-        spec = tables[t]
-        _, shp, _ = blob.entries[f"{t}.ids"]
-        if len(shp) != 1:
-            raise WireError(f"{t}.ids must be 1-D")
-        total += shp[0]
-        if total > max_ids:
-            raise WireError(f"more than max_ids={max_ids} ids")
-        ids[t] = _check_ids(blob.get(f"{t}.ids", ("I32",), shp).numpy(), spec.rows, f"push {t!r}")
-        grads[t] = _take(blob, f"{t}.g", (*_FLOATS, *_SCALED), (shp[0], spec.dim), f"grads of {t!r}")
+    ids, grads = {}, {}
+    for spec, t_ids in _per_table(blob, tables, (), max_ids, "push"):
+        ids[spec.name] = t_ids
+        grads[spec.name] = _take(blob, f"{spec.name}.g", (*_FLOATS, *_SCALED), (len(t_ids), spec.dim),
+                                 f"grads of {spec.name!r}")
     return PushRequest(view, key, ids, grads)
 
 
@@ -640,29 +653,12 @@ def decode_replays(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -
     blob = _Blob(data)
     _meta(blob.meta, {"v", "view", "key"})
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
-    names: dict[str, set[str]] = {}
-    for n in blob.entries:
-        t, part = (n[:-len(".g.scale")], "g.scale") if n.endswith(".g.scale") else n.rpartition(".")[::2]
-        if part not in ("ids", "s", "g", "g.scale"):
-            raise WireError(f"unexpected tensor {n[:60]!r}")
-        _spec(tables, t)
-        names.setdefault(t, set()).add(part)
-    if not names:
+    parts = _per_table(blob, tables, ("s",), max_ids, "replay")
+    if not parts:
         raise WireError("a replay message needs at least one table")
-    out, total = [], 0
-    for t, parts in names.items():
-        scaled = blob.entries.get(f"{t}.g", ("",))[0] in _SCALED
-        if parts != ({"ids", "s", "g", "g.scale"} if scaled else {"ids", "s", "g"}):
-            raise WireError(f"table {t!r} needs {t}.ids, {t}.s and {t}.g (and {t}.g.scale when int8/int4)")
-        spec = tables[t]
-        _, shp, _ = blob.entries[f"{t}.ids"]
-        if len(shp) != 1:
-            raise WireError(f"{t}.ids must be 1-D")
-        n = shp[0]
-        total += n
-        if total > max_ids:
-            raise WireError(f"replay ids must be at most {max_ids} in all")
-        ids = _check_ids(blob.get(f"{t}.ids", ("I32",), (n,)).numpy(), spec.rows, f"replay {t!r}")
+    out = []
+    for spec, ids in parts:
+        t, n = spec.name, len(ids)
         g = _take(blob, f"{t}.g", (*_FLOATS, *_SCALED), (n, spec.dim), f"replay grads of {t!r}")
         st = blob.get(f"{t}.s", ("I32", "I64"), (n,)).to(torch.int64)
         if n and int(st.min()) < 0:
