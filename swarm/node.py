@@ -488,8 +488,10 @@ class Peer(MembershipShell):
             grads[name] = (ids, g)
         return grads
 
-    def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
-        """Send row gradients to their primaries in the background (at most 2 pushes in flight)."""
+    async def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
+        """Send row gradients to their primaries in the background (at most 2 pushes in flight:
+        first wait for all but the previous one)."""
+        await self._drain_pushes(keep=1)
         grads = self.drop_missing(row_grads, missing)
         self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=f"{self.id}:{step}")))
 
@@ -535,8 +537,7 @@ class Peer(MembershipShell):
             self.step_times.mark("compute")
             last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
             if last:  # the last rows go out before the last payload (_settle_rows relies on it)
-                await self._drain_pushes(keep=1)
-                self._push_rows(row_grads, missing, step)
+                await self._push_rows(row_grads, missing, step)
             # otherwise the payload first: the round waits for it, while row pushes only need to land
             # within the owners' push window (on a slow link, bytes queued ahead of it delay everyone)
             self.book.offer(enc.decoded)
@@ -546,8 +547,7 @@ class Peer(MembershipShell):
                 # this step's own row update (one step stale), which is the price of the overlap
                 prefetched = asyncio.ensure_future(self._fetch_batch())
             if not last:
-                await self._drain_pushes(keep=1)
-                self._push_rows(row_grads, missing, step)
+                await self._push_rows(row_grads, missing, step)
             self.record_contribution(stats, enc)
             self.step_times.mark("send")
             await self.take_round(step)
