@@ -5,7 +5,7 @@ large frees) with a fresh mmap, and returns heap tops above M_TRIM_THRESHOLD to 
 peer allocates and frees the same few-MiB tensors many times a step (activations and gradients of
 the forward/backward, the rows of a pull, a flush's Adam temporaries), so each step maps new pages
 and faults every one of them in again: measured by `bench/allocator.py`, a forward/backward of the
-default model faulted 2000-4500 pages in per step, 50-80 with these thresholds, and took 3-10% less
+default model faulted 2000-4500 pages in per step, 20-80 with these thresholds, and took 3-12% less
 time (a minor fault costs microseconds on a VM). Pinning both thresholds keeps those pages mapped;
 the price is that the process's resident size stays near its peak instead of shrinking between
 steps.
