@@ -242,7 +242,7 @@ class _Blob:
 
 
 def _save(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
-    """The same safetensors bytes either way; through numpy it costs a third (no per-tensor ctypes
+    """The same safetensors bytes either way; through numpy it costs a quarter (no per-tensor ctypes
     round trip), but numpy has no bfloat16."""
     if any(v.dtype == torch.bfloat16 for v in tensors.values()):
         # (clone: safetensors.torch refuses views that share storage, like slices of one tensor)
