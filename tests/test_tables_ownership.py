@@ -297,3 +297,20 @@ def test_a_single_host_group_still_gets_r_owners():
     om = m.owner_matrix("t")
     assert all(len(set(r.tolist())) == 2 for r in om)
     assert host_of("g~3") == "g" and host_of("abc") == "abc"
+
+
+def test_cut_gives_positions_of_plan_for_any_order():
+    om = OwnershipMap(TABLES, members(4), replicas=2, slots=512)
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(np.unique(rng.integers(0, 65536, 800)))  # not sorted: positions still work
+    for down in ([], [om.members[2]], list(om.members[:2])):
+        cut = om.cut("ngram", ids, down=down)
+        plan = om.plan("ngram", np.sort(ids), down=down)
+        assert cut.keys() == plan.keys()
+        for peer, pos in cut.items():
+            assert np.all(np.diff(pos) > 0)  # ascending positions
+            assert np.array_equal(np.sort(ids[pos]), plan[peer])
+        assert np.array_equal(np.sort(np.concatenate(list(cut.values()))), np.arange(len(ids)))
+    assert om.cut("ngram", np.zeros(0, dtype=np.int64)) == {}
+    with pytest.raises(ValueError):
+        om.cut("ngram", ids.reshape(2, -1))

@@ -259,3 +259,35 @@ def test_layout_as_slot_count_or_callable():
             sh.create_slot(64)
     with pytest.raises(ValueError):
         RowOptConfig(kind="sgd")
+
+
+def test_held_mask_follows_the_held_slots():
+    sh = TableShard(SPEC, omap(64), RowOptConfig())
+    assert not sh.held_mask(64).any()
+    sh.create_slots([3, 5, 60])
+    m = sh.held_mask(64)
+    assert m.shape == (64,) and np.flatnonzero(m).tolist() == [3, 5, 60]
+    with pytest.raises(ValueError):
+        m[0] = True  # a cached view: callers cannot corrupt it
+    sh.drop_slot(5)
+    assert np.flatnonzero(sh.held_mask(64)).tolist() == [3, 60]
+
+
+def test_checked_grads_apply_once_checked_and_go_stale_when_slots_change():
+    a, b = full_shard(), full_shard()
+    ids = np.array([1, 2, 40, 700])
+    g = torch.randn(4, 8)
+    checked = a.check_grads(ids, g)
+    a.apply_checked(checked)
+    b.apply_grads(ids, g)  # the one-call form: the same update
+    assert torch.equal(a.read(ids), b.read(ids)) and torch.equal(a.steps(ids), b.steps(ids))
+    # a slot change between the check and the apply: pool positions may have moved
+    stale = a.check_grads(ids, g)
+    a.drop_slot(63)
+    a.read(ids)  # re-indexes the pool
+    before = a.read(ids).clone()
+    with pytest.raises(ShardError, match="stale"):
+        a.apply_checked(stale)
+    assert torch.equal(a.read(ids), before)
+    with pytest.raises(ShardError, match="stale"):
+        b.apply_checked(a.check_grads(ids, g))  # checked by another shard

@@ -83,47 +83,47 @@ class TableClient:
         not be had before the timeout (their rows are zeros)."""
         t0 = time.monotonic()
         rows = {t: torch.zeros(len(ids), self.dims[t]) for t, ids in want.items()}
-        todo = {t: ids for t, ids in want.items() if len(ids)}
+        # what is left to fetch, as positions into want[table] (ascending)
+        todo = {t: np.arange(len(ids)) for t, ids in want.items() if len(ids)}
         unreachable: set[str] = set()
         attempt = 0
         while todo:
             omap = self.service.map
             if omap is None:
                 break
-            by_peer: dict[str, dict[str, np.ndarray]] = {}
-            for table, ids in todo.items():
-                local, remote = self._split_local(omap, table, ids)
-                if len(local):
-                    by_peer.setdefault(self.self_id, {})[table] = local
-                for peer, sub in omap.plan(table, remote, down=self.down() | unreachable).items():
-                    by_peer.setdefault(peer, {})[table] = sub
-            results = await asyncio.gather(*(self._pull_from(peer, sub, omap.view) for peer, sub in by_peer.items()))
-            for peer, (got, gone) in zip(by_peer, results):
+            by_peer: dict[str, dict[str, np.ndarray]] = {}  # peer -> table -> positions into want
+            for table, pos in todo.items():
+                ids = want[table][pos]
+                # ids whose slot this peer owns (primary or replica) are read here: a replica is
+                # written before the primary acknowledges a push, so it is as current as the primary
+                mine = omap.owned_mask(self.self_id, table, ids)
+                if mine.any():
+                    by_peer.setdefault(self.self_id, {})[table] = pos[mine]
+                rest = pos[~mine]
+                for peer, p in omap.cut(table, want[table][rest], down=self.down() | unreachable).items():
+                    by_peer.setdefault(peer, {})[table] = rest[p]
+            results = await asyncio.gather(*(self._pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view)
+                                             for peer, sub in by_peer.items()))
+            left: dict[str, list[np.ndarray]] = {}
+            for (peer, sub), (got, gone) in zip(by_peer.items(), results):
                 if gone:
                     unreachable.add(peer)  # route its slots to a replica on the next try
-                if got is None:
-                    continue
-                for table, t_rows in got.items():
-                    sub = by_peer[peer][table]
-                    rows[table][torch.from_numpy(np.searchsorted(want[table], sub))] = t_rows
-                    todo[table] = np.setdiff1d(todo[table], sub, assume_unique=True)
-            todo = {t: ids for t, ids in todo.items() if len(ids)}
+                for table, p in sub.items():
+                    if got is None:
+                        left.setdefault(table, []).append(p)
+                    else:
+                        rows[table][torch.from_numpy(p)] = got[table]
+            todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
             if not todo or time.monotonic() - t0 > self.timeout:
                 break
             attempt += 1
             self.stats.retries += 1
             await asyncio.sleep(min(0.05 * attempt, 0.5))
         self.stats.pulls += 1
-        missing = {t: ids for t, ids in todo.items() if len(ids)}
+        missing = {t: want[t][pos] for t, pos in todo.items()}
         self.stats.rows_missing += sum(len(v) for v in missing.values())
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
-
-    def _split_local(self, omap, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Ids whose slot this peer owns (primary or replica) are read here: a replica is written
-        before the primary acknowledges a push, so its rows are as current as the primary's."""
-        mine = omap.owned_mask(self.self_id, table, ids)
-        return ids[mine], ids[~mine]
 
     async def _pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
@@ -160,27 +160,26 @@ class TableClient:
     async def push(self, grads: dict[str, tuple[np.ndarray, torch.Tensor]], key: str) -> bool:
         """Row gradients to their primaries (same cut as the pull); True when every part landed."""
         t0 = time.monotonic()
-        todo = {t: (ids, g) for t, (ids, g) in grads.items() if len(ids)}
+        # what is left to deliver, as positions into grads[table] (ascending)
+        todo = {t: np.arange(len(ids)) for t, (ids, _) in grads.items() if len(ids)}
         attempt = 0
         while todo:
             omap = self.service.map
-            by_peer: dict[str, dict[str, np.ndarray]] = {}
-            for table, (ids, _) in todo.items():
-                for peer, sub in omap.plan(table, ids).items():
-                    by_peer.setdefault(peer, {})[table] = sub
-            reqs = {peer: self._part(sub, todo, key, omap.view) for peer, sub in by_peer.items()}
+            by_peer: dict[str, dict[str, np.ndarray]] = {}  # peer -> table -> positions into grads
+            for table, pos in todo.items():
+                for peer, p in omap.cut(table, grads[table][0][pos]).items():
+                    by_peer.setdefault(peer, {})[table] = pos[p]
+            reqs = {peer: self._part(sub, grads, key, omap.view) for peer, sub in by_peer.items()}
             remote = {p: r for p, r in reqs.items() if p not in ("", self.self_id)}
             # every primary's body in one trip to a helper thread (one hop a step, not one per primary)
             bodies = await asyncio.to_thread(lambda: {p: encode_push(r, self.push_dtype) for p, r in remote.items()})
             oks = await asyncio.gather(*(self._push_to(peer, req, bodies.get(peer)) for peer, req in reqs.items()))
+            left: dict[str, list[np.ndarray]] = {}
             for (peer, sub), ok in zip(by_peer.items(), oks):
                 if not ok:
-                    continue
-                for table, ids in sub.items():
-                    all_ids, g = todo[table]
-                    keep = ~np.isin(all_ids, ids, assume_unique=True)
-                    todo[table] = (all_ids[keep], g[torch.from_numpy(keep)])
-            todo = {t: v for t, v in todo.items() if len(v[0])}
+                    for table, p in sub.items():
+                        left.setdefault(table, []).append(p)
+            todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
             if not todo or time.monotonic() - t0 > self.timeout:
                 break
             attempt += 1
@@ -191,13 +190,16 @@ class TableClient:
         return not todo
 
     @staticmethod
-    def _part(sub: dict[str, np.ndarray], todo, key: str, view: str) -> PushRequest:
-        """The push of ``sub``'s rows (a subset of each table's ``todo`` ids) with their gradients."""
-        parts = {}
-        for table, ids in sub.items():
-            all_ids, g = todo[table]
-            parts[table] = g[torch.from_numpy(np.searchsorted(all_ids, ids))]
-        return PushRequest(view=view, key=key, ids=sub, grads=parts)
+    def _part(sub: dict[str, np.ndarray], grads, key: str, view: str) -> PushRequest:
+        """The push of the rows at positions ``sub`` (per table) of ``grads``, with their gradients."""
+        ids, parts = {}, {}
+        for table, pos in sub.items():
+            all_ids, g = grads[table]
+            if len(pos) == len(all_ids):  # one primary has them all (positions are ascending)
+                ids[table], parts[table] = all_ids, g
+            else:
+                ids[table], parts[table] = all_ids[pos], g[torch.from_numpy(pos)]
+        return PushRequest(view=view, key=key, ids=ids, grads=parts)
 
     async def _push_to(self, peer: str, req: PushRequest, body: bytes | None) -> bool:
         """One primary's part of a push (``body``: it encoded, for a remote primary)."""

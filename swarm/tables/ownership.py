@@ -207,28 +207,37 @@ class OwnershipMap:
             raise ValueError("ids must be 1-D")
         if ids.size > 1 and not bool(np.all(ids[1:] > ids[:-1])):
             ids = np.unique(ids)
+        ids = ids.astype(np.int64, copy=False)
+        return {peer: ids[pos] for peer, pos in self.cut(table, ids, down).items()}
+
+    def cut(self, table: str, ids: np.ndarray, down: Collection[str] = ()) -> dict[str, np.ndarray]:
+        """plan() as positions: {owner: int64 positions into ``ids`` (1-D, any order), ascending}.
+        A caller that holds values beside its ids gathers them with these directly."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1:
+            raise ValueError("ids must be 1-D")
         if ids.size == 0:
             return {}
         slots = self.slot_of(table, ids)
-        ids = ids.astype(np.int64, copy=False)
         om = self.owner_matrix(table)
         down_mask = np.zeros(len(self.members) + 1, dtype=bool)
         for d in down:
             i = self.index.get(d)
             if i is not None:
                 down_mask[i] = True
-        ok = ~down_mask[om]                                   # [n_slots, R]
-        first = np.argmax(ok, axis=1)
-        choice = np.where(ok.any(axis=1), om[np.arange(om.shape[0]), first], len(self.members))
-        owner = choice[slots]                                 # per id; len(members) = nobody
-        order = np.argsort(owner, kind="stable")              # stable: each group stays sorted
+        if down_mask.any():
+            ok = ~down_mask[om]                                   # [n_slots, R]
+            first = np.argmax(ok, axis=1)
+            choice = np.where(ok.any(axis=1), om[np.arange(om.shape[0]), first], len(self.members))
+        else:
+            choice = om[:, 0]                                     # nobody down: the primaries
+        owner = choice[slots]                                     # per id; len(members) = nobody
+        order = np.argsort(owner, kind="stable")                  # stable: each group stays ascending
         owner_sorted = owner[order]
         uniq, starts = np.unique(owner_sorted, return_index=True)
         ends = np.append(starts[1:], owner_sorted.size)
-        out: dict[str, np.ndarray] = {}
-        for o, a, b in zip(uniq.tolist(), starts.tolist(), ends.tolist()):
-            out["" if o == len(self.members) else self.members[o]] = ids[order[a:b]]
-        return out
+        return {"" if o == len(self.members) else self.members[o]: order[a:b]
+                for o, a, b in zip(uniq.tolist(), starts.tolist(), ends.tolist())}
 
     def owned_mask(self, peer: str, table: str, ids: np.ndarray) -> np.ndarray:
         """bool per id: ``peer`` owns the id's slot (as primary or replica)."""

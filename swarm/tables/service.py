@@ -180,19 +180,18 @@ class TableService:
 
     def _held(self, table: str, ids: np.ndarray) -> None:
         """Raise Moving / NotPrimary unless every id's slot is held here and not being handed over.
-        Vectorised: a pull touches hundreds of slots, and this runs for every request served."""
+        Vectorised (one gather of a per-slot mask): a pull touches hundreds of slots, and this runs
+        for every request served."""
         if not len(ids):
             return
-        shard = self.shards[table]
-        slots = np.unique(self.map.slot_of(table, ids))
-        moving = self._moving_slots(table)
-        if moving.size:
-            hit = np.intersect1d(slots, moving)
+        slots = self.map.slot_of(table, ids)
+        if self.moving:
+            hit = np.intersect1d(slots, self._moving_slots(table))
             if hit.size:
                 raise Moving(f"slot {int(hit[0])} of {table!r} is being handed over to this peer")
-        missing = slots[~np.isin(slots, shard.held_slots())]
-        if missing.size:
-            raise NotPrimary(f"this peer does not hold slot {int(missing[0])} of {table!r}")
+        ok = self.shards[table].held_mask(self.map.n_slots(table))[slots]
+        if not bool(ok.all()):
+            raise NotPrimary(f"this peer does not hold slot {int(slots[~ok].min())} of {table!r}")
 
     # -- serving ------------------------------------------------------------------------------
     def serve_pull(self, req: PullRequest) -> list[tuple[str, torch.Tensor]]:
@@ -219,7 +218,7 @@ class TableService:
         if self.map is None or view != self.map.view or not len(ids):
             return torch.zeros(len(ids), self.by_name[table].dim), ok
         slots = self.map.slot_of(table, ids)
-        ok = np.isin(slots, self.shards[table].held_slots()) & ~np.isin(slots, self._moving_slots(table))
+        ok = self.shards[table].held_mask(self.map.n_slots(table))[slots] & ~np.isin(slots, self._moving_slots(table))
         rows = torch.zeros(len(ids), self.by_name[table].dim)
         if ok.any():
             rows[torch.from_numpy(ok)] = self.shards[table].read(ids[ok])
@@ -309,12 +308,11 @@ class TableService:
             if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
             combined[table] = (ids, grads, sum(len(p[0]) for p in parts) - len(ids))
-        # check every table before changing any (apply_grads itself is transactional per table)
-        for table, (ids, grads, _) in combined.items():
-            self.shards[table].check_grads(ids, grads)
+        # check every table before changing any (apply_checked itself is transactional per table)
+        checked = {table: self.shards[table].check_grads(ids, grads) for table, (ids, grads, _) in combined.items()}
         forward: dict[str, list[Replay]] = {}
         for table, (ids, grads, merged) in combined.items():
-            update = self.shards[table].apply_grads(ids, grads)
+            update = self.shards[table].apply_checked(checked[table])
             self.stats.rows_updated += len(ids)
             self.stats.rows_combined += merged
             self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1, dtype), forward)
@@ -351,10 +349,9 @@ class TableService:
             if not torch.equal(self.shards[rp.table].steps(rp.ids), rp.pre_step):
                 self.stats.replays_diverged += 1
                 raise Diverged(f"replica rows of {rp.table!r} are not at the primary's update count")
-            self.shards[rp.table].check_grads(rp.ids, rp.grads)
-            todo.append(rp)
-        for rp in todo:
-            self.shards[rp.table].apply_grads(rp.ids, rp.grads)
+            todo.append((rp, self.shards[rp.table].check_grads(rp.ids, rp.grads)))
+        for rp, checked in todo:
+            self.shards[rp.table].apply_checked(checked)
             self._remember((rp.key, "replica:" + rp.table))
             self.stats.replays_applied += 1
         return bool(todo)

@@ -177,11 +177,13 @@ class TableShard:
 
     def _index(self) -> None:
         self._dirty = False
+        self._layout = getattr(self, "_layout", 0) + 1  # pool positions taken before this are stale
         order = sorted(self._held.items(), key=lambda kv: kv[1][0])
         self._h_slot = np.array([s for s, _ in order], dtype=np.int64)
         self._h_lo = np.array([v[0] for _, v in order], dtype=np.int64)
         self._h_hi = np.array([v[1] for _, v in order], dtype=np.int64)
         self._h_base = np.array([v[2] for _, v in order], dtype=np.int64)
+        self._h_mask: np.ndarray | None = None  # held_mask's, built on first use
 
     def _place(self, slot: int, rows: torch.Tensor, state: dict[str, torch.Tensor], step: torch.Tensor) -> None:
         lo, hi = self._range(slot)
@@ -304,6 +306,19 @@ class TableShard:
             self._index()
         return self._h_slot
 
+    def held_mask(self, n_slots: int) -> np.ndarray:
+        """bool [n_slots]: whether each slot is held (cached with the slot index), so that checking
+        a request's ids is one gather, not a sort and a set lookup."""
+        if self._dirty:
+            self._index()
+        m = self._h_mask
+        if m is None or m.size != n_slots:
+            m = np.zeros(n_slots, dtype=bool)
+            m[self._h_slot[self._h_slot < n_slots]] = True
+            m.flags.writeable = False
+            self._h_mask = m
+        return m
+
     def untouched(self, slot: int) -> bool:
         """True while no optimizer step has touched the slot and its rows are still all zero
         (a slot as create_slot made it: a hand-off can say so instead of shipping it)."""
@@ -325,25 +340,30 @@ class TableShard:
         out["step"] = self._step.index_select(0, idx)
         return out
 
-    def check_grads(self, ids: np.ndarray, grads: torch.Tensor) -> np.ndarray:
+    def check_grads(self, ids: np.ndarray, grads: torch.Tensor) -> "CheckedGrads":
         """Raise ShardError unless apply_grads(ids, grads) is well formed: sorted-unique held ids,
-        finite float32 [len(ids), dim] gradients. Returns the ids as int64."""
+        finite float32 [len(ids), dim] gradients. Returns them checked, for apply_checked (a caller
+        that checks several tables before applying any does not pay for the checks twice)."""
         ids = self._sorted_unique(ids, "apply_grads")
         k = ids.size
         if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != (k, self.dim):
             raise ShardError(f"grads must be float32 [{k}, {self.dim}], got {_desc(grads)}")
         if not all_finite(grads):
             raise ShardError("grads have non-finite values")
-        self._pool_index(ids)
-        return ids
+        idx = self._pool_index(ids)
+        return CheckedGrads(self, self._layout, ids, idx, grads)
 
     def apply_grads(self, ids: np.ndarray, grads: torch.Tensor) -> dict[str, torch.Tensor]:
         """One optimizer step on exactly these rows; returns the replica update
         {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim]..., "step" int64 [k]}.
         Transactional: on ShardError (bad ids/shapes, non-finite grads or results) nothing changes."""
-        ids = self.check_grads(ids, grads)
-        idx = self._pool_index(ids)
-        g = grads
+        return self.apply_checked(self.check_grads(ids, grads))
+
+    def apply_checked(self, checked: "CheckedGrads") -> dict[str, torch.Tensor]:
+        """apply_grads on what check_grads returned (by this shard, with no slot change since)."""
+        if checked.shard is not self or checked.layout != self._layout or self._dirty:
+            raise ShardError("checked gradients are stale (the held slots changed): check them again")
+        ids, idx, g = checked.ids, checked.idx, checked.grads
         x = self._pool.index_select(0, idx)  # [k, 1 + S, dim]: each row with its state, one gather
         row = x[:, 0]
         step = self._step.index_select(0, idx) + 1
@@ -386,6 +406,16 @@ class TableShard:
         for k in self.state_keys:
             self._state[k].index_copy_(0, idx, update[k])
         self._step.index_copy_(0, idx, update["step"])
+
+
+@dataclass(frozen=True)
+class CheckedGrads:
+    """Gradients TableShard.check_grads accepted, with the pool positions of their rows."""
+    shard: TableShard
+    layout: int  # the shard's slot layout they were checked under
+    ids: np.ndarray
+    idx: torch.Tensor
+    grads: torch.Tensor
 
 
 def _int64_ids(ids, what: str) -> np.ndarray:
