@@ -10,9 +10,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 
+from . import threads
 from .allocator import keep_freed_memory
 from .config import ConfigError, PeerConfig, field_names, from_env
 
@@ -129,6 +131,9 @@ async def _run(cfg: PeerConfig) -> int:
 
     def out(line: str) -> None:
         print(line, flush=True)
+
+    # this process's asyncio.to_thread helpers, named for the OS like the peer's other threads
+    asyncio.get_running_loop().set_default_executor(threads.pool(threads.HELPER, min(32, (os.cpu_count() or 1) + 4)))
 
     try:
         peer = Peer(cfg, out=out)

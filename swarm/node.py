@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import checkpoint, gossip, robust
+from . import checkpoint, gossip, robust, threads
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import PeerConfig, parse_hostport
 from .data import load_corpus
@@ -85,10 +84,10 @@ class Peer(MembershipShell):
         self.robust = robust.Scoreboard(robust.ScoreConfig(ban_seconds=cfg.ban_seconds))
         self.events: collections.deque[dict] = collections.deque(maxlen=200)
         self.timeline = Timeline()  # the status page's bounded series and per-peer link stats
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-train-{self.id[:6]}")
+        self._pool = threads.pool(threads.TRAIN, 1, self.id[:6])
         # the table shard is touched by one thread only, separate from training so that serving
         # other peers' pulls never waits for our forward/backward
-        self._table_pool = ThreadPoolExecutor(1, thread_name_prefix=f"swarm-tables-{self.id[:6]}")
+        self._table_pool = threads.pool(threads.TABLES, 1, self.id[:6])
         self.tables: TableService | None = None
         self.table_client: TableClient | None = None
         self._pushes: collections.deque[asyncio.Task] = collections.deque()
