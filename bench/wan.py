@@ -785,8 +785,8 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.01, help="added to the worst final loss to make the target")
     ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
     ap.add_argument("--only", action="append", choices=METHODS, help="run only these methods (repeatable)")
-    ap.add_argument("--step-repeats", type=int, default=3,
-                    help="(contended floor, swarm) pairs whose median step-time ratio is reported (default 3)")
+    ap.add_argument("--step-repeats", type=int, default=5,
+                    help="(contended floor, swarm) pairs whose median step-time ratio is reported (default 5)")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one method may take")
     ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
