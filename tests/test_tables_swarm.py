@@ -163,3 +163,30 @@ async def test_a_joiner_gets_its_slots_from_the_old_owners():
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_two_joins_at_once_lose_no_rows_with_one_replica():
+    """With R = 1, a slot can move on again (p0 -> a -> b) before its first new owner fetched it;
+    the last owner then finds it only at p0, which holds it for release and is in no map it saw."""
+    first = Peer(small_cfg(replicas=1), out=lambda line: None)
+    await first.start()
+    peers = [first]
+    try:
+        await until(lambda: settled(peers), what="the first peer's map")
+        await push_random(first, np.random.default_rng(5), key=f"{first.id}:1", n=2000)
+        omap = first.tables.map
+        before = {(t, s): first.tables.shards[t].checksum(s) for t in TABLES for s in range(omap.n_slots(t))}
+        joiners = [Peer(small_cfg(replicas=1, join=f"127.0.0.1:{first.port}"), out=lambda line: None)
+                   for _ in range(3)]
+        await asyncio.gather(*(j.start() for j in joiners))
+        peers += joiners
+        await until(lambda: settled(peers), timeout=90, what="every joiner to fetch its slots")
+        newmap = first.tables.map
+        for (t, s), checksum in before.items():
+            (owner,) = holders(peers, t, s)
+            assert owner.tables.shards[t].checksum(s) == checksum, (t, s, owner.id)
+        assert sum(p.tables.stats.slots_lost for p in peers) == 0
+        assert newmap.members == tuple(sorted(p.id for p in peers))
+    finally:
+        for p in peers:
+            await p.close()

@@ -57,6 +57,9 @@ class RowStats:
         return {f"p{q}": round(float(np.percentile(a, q)), 2) for q in (50, 95, 99)}
 
 
+WIDEN_AFTER = 3  # hand-off rounds asking only a slot's old owners before asking every member
+
+
 class TableClient:
     """The puller and pusher side: cut ids by owner, one request per owner, concurrently."""
 
@@ -234,23 +237,40 @@ class TableClient:
     async def _fetch_chunk(self, chunk: list[Move], deadline_s: float = 30.0) -> None:
         """A source may have no current copy yet (it is fetching the slot itself): keep asking the
         sources that are alive, with backoff, until the deadline; only then start the slot from
-        zeros (its rows are lost)."""
+        zeros (its rows are lost).
+
+        After WIDEN_AFTER rounds without a copy, every member of the map is asked instead: a slot
+        that moved on again before its previous new owner had fetched it (two joins within
+        seconds) is still held only by an earlier owner, for release, and that owner is in none of
+        the maps this peer has seen. Such a round counts only when every member answered, so that
+        the newest copy wins and "nobody ever updated it" is what all of them said."""
         t0, attempt, table = time.monotonic(), 0, chunk[0].table
         pending = list(chunk)
         while pending and time.monotonic() - t0 < deadline_s:
             pending = [m for m in pending if self.service.moving.get((m.table, m.slot)) is m]
-            sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
-            if not sources:  # no old owner is reachable now; one may come back (refuting) before the deadline
+            if not pending:
+                break
+            omap = self.service.map
+            wide = attempt >= WIDEN_AFTER and omap is not None
+            if wide:
+                everyone = [p for p in omap.members if p != self.self_id]
+                asked = {src: [m.slot for m in pending] for src in everyone if self.addr_of(src)}
+                complete = len(asked) == len(everyone)
+            else:
+                sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
+                asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
+                complete = True
+            if not asked:  # no old owner is reachable now; one may come back (refuting) before the deadline
                 attempt += 1
                 await asyncio.sleep(min(0.2 * attempt, 2.0))
                 continue
-            asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
             replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
             offers: dict[int, list[bytes | int]] = {}
-            for (src, slots), blobs in zip(asked.items(), replies):
-                for slot, blob in zip(slots, blobs):
-                    if blob is not None:
-                        offers.setdefault(slot, []).append(blob)
+            if complete and not (wide and any(r is None for r in replies)):
+                for slots, blobs in zip(asked.values(), replies):
+                    for slot, blob in zip(slots, blobs or ()):
+                        if blob is not None:
+                            offers.setdefault(slot, []).append(blob)
             left = []
             for mv in pending:
                 ok = False
@@ -268,18 +288,19 @@ class TableClient:
         for mv in pending:
             await self.work(self.service.give_up, mv)
 
-    async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | int | None]:
+    async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | int | None] | None:
+        """``source``'s copies of ``slots`` (None for one it does not hold), or None when it did not answer."""
         addr = self.addr_of(source)
         if addr is None:
-            return [None] * len(slots)
+            return None
         try:
             reply = await self.transport.call(addr, "/v1/rows/slots", {"table": table, "slots": slots},
                                               timeout=30.0, kind="handoff", reply_limit=1 << 28)
         except PeerUnreachable:
-            return [None] * len(slots)
+            return None
         blobs = reply.get("slots")
         if not isinstance(blobs, list) or len(blobs) != len(slots):
-            return [None] * len(slots)
+            return None
         return [b if isinstance(b, bytes) or (type(b) is int and b == FRESH) else None for b in blobs]
 
     def status(self) -> dict:
