@@ -242,8 +242,9 @@ class TableClient:
         After WIDEN_AFTER rounds without a copy, every member of the map is asked instead: a slot
         that moved on again before its previous new owner had fetched it (two joins within
         seconds) is still held only by an earlier owner, for release, and that owner is in none of
-        the maps this peer has seen. Such a round counts only when every member answered, so that
-        the newest copy wins and "nobody ever updated it" is what all of them said."""
+        the maps this peer has seen. The old owners' offers count as before; another member's only
+        in a round every member answered, so that the newest copy wins and "nobody ever updated it"
+        is what all of them said."""
         t0, attempt, table = time.monotonic(), 0, chunk[0].table
         pending = list(chunk)
         while pending and time.monotonic() - t0 < deadline_s:
@@ -252,25 +253,25 @@ class TableClient:
                 break
             omap = self.service.map
             wide = attempt >= WIDEN_AFTER and omap is not None
-            if wide:
+            sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
+            asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
+            if wide:  # the old owners (members or not, as before), and every member for every slot
                 everyone = [p for p in omap.members if p != self.self_id]
-                asked = {src: [m.slot for m in pending] for src in everyone if self.addr_of(src)}
-                complete = len(asked) == len(everyone)
-            else:
-                sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
-                asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
-                complete = True
+                asked.update({src: [m.slot for m in pending] for src in everyone if self.addr_of(src)})
             if not asked:  # no old owner is reachable now; one may come back (refuting) before the deadline
                 attempt += 1
                 await asyncio.sleep(min(0.2 * attempt, 2.0))
                 continue
             replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
+            # a slot's old owners' offers always count; another member's only when every member answered
+            answered = {src for src, blobs in zip(asked, replies) if blobs is not None}
+            complete = wide and answered.issuperset(everyone)
+            sources_of = {m.slot: m.sources for m in pending}
             offers: dict[int, list[bytes | int]] = {}
-            if complete and not (wide and any(r is None for r in replies)):
-                for slots, blobs in zip(asked.values(), replies):
-                    for slot, blob in zip(slots, blobs or ()):
-                        if blob is not None:
-                            offers.setdefault(slot, []).append(blob)
+            for (src, slots), blobs in zip(asked.items(), replies):
+                for slot, blob in zip(slots, blobs or ()):
+                    if blob is not None and (complete or src in sources_of[slot]):
+                        offers.setdefault(slot, []).append(blob)
             left = []
             for mv in pending:
                 ok = False
