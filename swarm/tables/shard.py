@@ -98,6 +98,7 @@ class TableShard:
         self._pool = torch.zeros(0, 1 + len(self.state_keys), self.dim)
         self._views()
         self._step = torch.zeros(0, dtype=torch.int64)
+        self._layout = 0  # bumped by every re-index: pool positions taken before it are stale
         self._index()
 
     def _views(self) -> None:
@@ -177,7 +178,7 @@ class TableShard:
 
     def _index(self) -> None:
         self._dirty = False
-        self._layout = getattr(self, "_layout", 0) + 1  # pool positions taken before this are stale
+        self._layout += 1
         order = sorted(self._held.items(), key=lambda kv: kv[1][0])
         self._h_slot = np.array([s for s, _ in order], dtype=np.int64)
         self._h_lo = np.array([v[0] for _, v in order], dtype=np.int64)
