@@ -87,8 +87,9 @@ def run(mode: str, a, tmp: Path) -> dict:
                 argv += ["--min-peers", "1"]
             log = tmp / f"{mode}-{i}.out"
             logs.append(log)
-            procs.append(subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.DEVNULL, env=env,
-                                          cwd=ROOT, start_new_session=True))
+            with log.open("w") as out:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.DEVNULL, env=env,
+                                              cwd=ROOT, start_new_session=True))
             if first is None:
                 first = port
                 if mode == "together":
@@ -132,14 +133,18 @@ def main() -> int:
         print("bench/cpu_split.py needs Linux's /proc; nothing measured")
         print(json.dumps({"skipped": "no /proc"}))
         return 0
-    if a.peers < 2 or a.pairs < 1 or a.window <= 0:
-        print("--peers must be >= 2, --pairs >= 1 and --window > 0", file=sys.stderr)
+    if a.peers < 2 or a.pairs < 1 or a.steps < 1 or a.warmup < 0 or a.window <= 0:
+        print("--peers must be >= 2, --pairs >= 1, --steps >= 1, --warmup >= 0 and --window > 0", file=sys.stderr)
         return 2
     pairs = []
     with tempfile.TemporaryDirectory(prefix="swarm-cpu-") as tmp:
         for k in range(a.pairs):
-            alone = run("alone", a, Path(tmp))
-            together = run("together", a, Path(tmp))
+            try:
+                alone = run("alone", a, Path(tmp))
+                together = run("together", a, Path(tmp))
+            except RuntimeError as e:  # a run too short for its window: say so, no traceback
+                print(f"bench/cpu_split.py: {e}", file=sys.stderr)
+                return 2
             ratio = round(together["ms_per_peer_step"] / alone["ms_per_peer_step"], 3)
             pairs.append({"alone": alone, "together": together, "ratio": ratio})
             print(f"pair {k + 1}: alone {alone['ms_per_peer_step']} ms {alone['by_role']}  |  together "
@@ -148,7 +153,7 @@ def main() -> int:
     med = {m: {r: statistics.median(p[m]["by_role"].get(r, 0.0) for p in pairs) for r in roles}
            for m in ("alone", "together")}
     print(f"\nCPU ms per peer-step, median of {a.pairs} pairs ({a.peers} peers, loopback):")
-    print(f"| role | alone | together | extra |\n| --- | ---: | ---: | ---: |")
+    print("| role | alone | together | extra |\n| --- | ---: | ---: | ---: |")
     for r in roles:
         print(f"| {r} | {med['alone'][r]:.1f} | {med['together'][r]:.1f} | {med['together'][r] - med['alone'][r]:+.1f} |")
     result = {

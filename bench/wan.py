@@ -44,7 +44,7 @@ What is measured (the same way for every method):
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
   step ratio   swarm step time / contended floor step time, as the median over --step-repeats
-               (default 3) pairs of the two run back to back (the first pair is the runs above; this
+               (default 5) pairs of the two run back to back (the first pair is the runs above; this
                machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
                much less).
 
