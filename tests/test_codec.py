@@ -15,6 +15,7 @@ from swarm.codec import (HEADER, MODES, CodecConfig, CodecError, Compressor, Dec
                          ManifestEntry, decode_payload)
 from swarm.codec import indexcode, quant
 from swarm.codec.select import select_topk, topk_exact, topk_fast
+from swarm.codec.config import MAX_SPARSE_RATIO
 from swarm.codec.wire import subset_bound_bits
 
 torch.set_num_threads(1)
@@ -211,9 +212,20 @@ def test_dense_fallback_only_where_sparse_is_larger() -> None:
     enc = c.compress(torch.randn(n), 0)
     assert enc.mode == "none" and enc.wire_bytes < 2 * n + 300 and c.fallback_steps == 1
     assert decode_payload(enc.blob, m2, header_mode="none").indices is None
-    # int4 at k = n is still smaller than bf16 dense, so it stays sparse
+    # int4 at k = n would be smaller than bf16 dense, but receivers refuse a sparse payload of more
+    # than MAX_SPARSE_RATIO of the entries: it goes dense (a small model under --min-payload did
+    # exactly this, and every one of its payloads was refused)
     enc = Compressor(m2, CodecConfig(mode="topk-int4", ratio=1.0), "s").compress(torch.randn(n), 0)
-    assert enc.mode == "topk-int4" and enc.wire_bytes < 2 * n
+    assert enc.mode == "none"
+    decode_payload(enc.blob, m2, header_mode="none", max_ratio=MAX_SPARSE_RATIO)
+    enc = Compressor(m2, CodecConfig(mode="topk-int4", ratio=0.5), "s").compress(torch.randn(n), 0)
+    assert enc.mode == "topk-int4" and enc.wire_bytes < n
+    decode_payload(enc.blob, m2, header_mode="topk-int4", max_ratio=MAX_SPARSE_RATIO)
+    # a small model whose --min-payload floor covers every entry: dense, and accepted
+    small = flat_manifest(99)
+    enc = Compressor(small, CodecConfig(mode="topk-int8", ratio=0.01, min_bytes=32768), "s").compress(torch.randn(99), 0)
+    assert enc.mode == "none"
+    decode_payload(enc.blob, small, header_mode="none", max_ratio=MAX_SPARSE_RATIO)
 
 
 def test_nonfinite_step_skipped_and_residual_untouched() -> None:

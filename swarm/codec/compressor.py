@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import indexcode, quant, wire
-from .config import CodecConfig, k_for
+from .config import MAX_SPARSE_RATIO, CodecConfig, k_cap, k_for
 from .errors import CodecError
 from .manifest import Manifest
 from .select import select_topk
@@ -131,7 +131,7 @@ class Compressor:
         acc.add_(g)                       # acc = residual + grad, in place
         k = max(k_for(self.n, cfg.ratio_at(step)), self.k_floor)
         mode = cfg.mode
-        if mode != "none" and self._sparse_cost(k, mode) >= self._dense_cost():
+        if mode != "none" and (k > k_cap(self.n, MAX_SPARSE_RATIO) or self._sparse_cost(k, mode) >= self._dense_cost()):
             mode = "none"
             self.fallback_steps += 1
 

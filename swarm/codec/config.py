@@ -81,6 +81,11 @@ def k_for(n: int, ratio: float) -> int:
     return max(1, min(n, int(round(ratio * n))))
 
 
+# A sparse payload keeps at most this fraction of the entries: receivers refuse denser ones (an index
+# per entry costs more than it saves there), and a sender that would select more sends dense instead.
+MAX_SPARSE_RATIO = 0.5
+
+
 def k_cap(n: int, max_ratio: float) -> int:
     """Largest k a receiver accepts for a sparse payload at ``max_ratio``."""
     return min(n, math.ceil(max_ratio * n))
