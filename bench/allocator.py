@@ -3,7 +3,7 @@
 
 Two things a peer does every step, each timed (median) with the minor page faults it causes, with
 and without keep_freed_memory(): a forward/backward of the default model on one batch
-(Trainer.compute; the rows come with the call, as pulled rows do), and a row-wise Adam step of
+(Replica.compute; the rows come with the call, as pulled rows do), and a row-wise Adam step of
 --rows random rows of one table shard (a 4-peer flush or replay). Each variant runs in its own
 fresh interpreter (the setting is process-wide and cannot be undone), alternating, --rounds times;
 the medians over rounds are printed and the LAST line is one JSON object.
@@ -30,11 +30,10 @@ if tune:
     assert keep_freed_memory()
 import numpy as np, torch
 torch.set_num_threads(1)
-from swarm.config import PeerConfig
-from swarm.data import load_corpus
+from swarm.tasks import bytelm
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
-from swarm.trainer import Trainer
+from swarm.replica import Replica
 
 
 def timed(fn, n):
@@ -56,7 +55,7 @@ rng = np.random.default_rng(0)
 batches = [(np.sort(rng.choice(table_rows, rows, replace=False)), torch.randn(rows, 128) * 1e-3) for _ in range(8)]
 adam = timed(lambda i: sh.apply_grads(*batches[i % len(batches)]), steps)
 
-tr = Trainer(PeerConfig(table_rows=table_rows), load_corpus())
+tr = Replica(bytelm.task(table_rows=table_rows))
 tr.set_shard(0, 1, seed=0)
 def train_step(i):
     batch, want = tr.sample()

@@ -7,9 +7,9 @@ settings, trained with synchronous data parallelism instead of gossip.
   --tables sparse  the same model with the two tables as nn.Embedding(sparse=True): DDP all-gathers
                    sparse row gradients (gloo); SparseAdam for the tables, Adam for the rest.
 
-Same as a swarm peer (swarm/trainer.py): per-rank batch --batch-size, BatchSampler shard
+Same as a swarm peer on the built-in task (swarm/tasks/bytelm): per-rank batch --batch-size, BatchSampler shard
 (rank, world) seeded like a peer with --peer-id, Adam(betas=(0.9, 0.95), eps=1e-8) at --lr with the
-peer's warm-up + cosine schedule (trainer.lr_at), table lr --table-lr with Adam's default betas (the
+peer's warm-up + cosine schedule (bytelm.lr_at), table lr --table-lr with Adam's default betas (the
 swarm's row-wise Adam), final val_loss over val_batches(corpus, batch, 128, 8) on every rank.
 
 Prints one JSON line per step ({"step", "t", "loss", "compute_s", "comm_s"}; step = steps done,
@@ -40,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
-from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
-from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
+from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
+from swarm.tasks.bytelm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
 
 
 class SparseTableLM(SwarmLM):
@@ -51,20 +51,15 @@ class SparseTableLM(SwarmLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         for name in TABLES:
-            old = self.tables[name]
+            old = getattr(self, name)
             new = nn.Embedding(old.num_embeddings, old.embedding_dim, sparse=True)
             with torch.no_grad():
                 new.weight.zero_()  # SwarmLM tables start at zero
-            self.tables[name] = new
-
-    def _lookup(self, name, ids, table_rows):
-        if table_rows is None or name not in table_rows:
-            return self.tables[name](ids)
-        return super()._lookup(name, ids, table_rows)
+            setattr(self, name, new)
 
 
 def lr_at(step: int, lr: float, steps: int, warm: int = 20) -> float:
-    """swarm.trainer.Trainer.lr_at: linear warm-up over 20 steps, cosine to 10% at ``steps``."""
+    """swarm.tasks.bytelm.lr_at: linear warm-up over 20 steps, cosine to 10% at ``steps``."""
     if step < warm:
         return lr * (step + 1) / warm
     if steps <= warm:
@@ -110,7 +105,7 @@ def main() -> None:
                             timeout=timedelta(seconds=600))
     # bucket_cap_mb default (25): DDP overlaps each bucket's all-reduce with the rest of backward
     ddp = DDP(model)
-    table_params = [model.tables[n].weight for n in TABLES]
+    table_params = [getattr(model, n).weight for n in TABLES]
     table_ids = {id(p) for p in table_params}
     dense_params = [p for p in model.parameters() if id(p) not in table_ids]
     opt = torch.optim.Adam(dense_params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)

@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from ddp_baseline import lr_at, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
-from swarm.data import BatchSampler, load_corpus, val_batches  # noqa: E402
-from swarm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
+from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
+from swarm.tasks.bytelm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
 
 _AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
 _LOCAL = ("Proceeding with local gradients", "Skipped averaging", "Averaging gradients failed")
@@ -170,7 +170,7 @@ def main() -> None:
                            shard=(args.index, args.peers), prefix=cfg.prefix)
     val = val_batches(corpus, args.batch_size, cfg.context, max_batches=args.eval_batches, prefix=cfg.prefix)
 
-    table_params = [model.tables[n].weight for n in TABLES]
+    table_params = [getattr(model, n).weight for n in TABLES]
     table_ids = {id(p) for p in table_params}
     dense_params = [p for p in model.parameters() if id(p) not in table_ids]
     groups = [{"params": dense_params, "lr": args.lr, "betas": (0.9, 0.95)},

@@ -3,12 +3,13 @@
 Layout of ``--checkpoint DIR`` (every file written to a temporary name, fsynced, then renamed over
 the old one, so a crash mid-write leaves the previous checkpoint intact):
 
-  dense.safetensors     Trainer.state_blob(): dense parameters, Adam moments, step, hashes
+  dense.safetensors     Replica.state_blob(): the model's parameters and buffers, the optimizer's and
+                        scheduler's state_dicts, the step and the task fingerprint
   residual.safetensors  the codec's error-feedback residual (Compressor.state_dict())
   tables.safetensors    every held slot: "<table>/<slot>/<rows|m|v|step>", metadata = table layout
   checkpoint.json       written last: what the three files are (step, layout, peer, time)
 
-A checkpoint is read back whole and validated (format, model manifest, corpus, table layout, shapes,
+A checkpoint is read back whole and validated (format, task fingerprint, table layout, shapes,
 finite values) before anything of it is installed; a damaged one is a clear error, never a crash
 and never a half-loaded peer.
 """
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .trainer import safetensors_metadata
+from .statedict import safetensors_metadata
 
 DENSE, RESIDUAL, TABLES, META = "dense.safetensors", "residual.safetensors", "tables.safetensors", "checkpoint.json"
 FORMAT = "swarm-checkpoint-1"

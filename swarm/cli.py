@@ -1,7 +1,9 @@
 """Command line: parse flags (and SWARM_* variables), build a Peer, run it, print the summary.
 
-Exit codes: 0 on a finished run or a graceful stop (Ctrl-C, SIGTERM); 2 on bad flags, an
-unreachable --join or a swarm that refuses us, always as one line on stderr without a traceback.
+Exit codes: 0 on a finished run or a graceful stop (Ctrl-C, SIGTERM); 2 on bad flags, a bad task,
+an unreachable --join or a swarm that refuses us, always as one line on stderr without a traceback;
+1 when the task's own code raised (its traceback is printed: it is the user's to debug), after the
+peer left the swarm.
 """
 
 from __future__ import annotations
@@ -13,13 +15,19 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 from . import threads
 from .allocator import keep_freed_memory
 from .config import ConfigError, PeerConfig, field_names, from_env
+from .task import TaskError, UserCodeError, parse_task_args
 
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
 A flag on the command line wins over the environment.
+
+Without --task, the built-in byte LM trains; its size is task args: --task-arg d_model=256
+--task-arg layers=4 (also heads, context, table_rows). --batch-size, --lr, --data, --table-rows and
+--eval-batches are the built-in task's and are refused with --task.
 
 On a host with several GPUs, `torchrun --nproc-per-node N peer.py [--join HOST:PORT]` starts N ranks
 that join the swarm as one host group (docs/design.md, "Host groups")."""
@@ -45,25 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
                        "Default: none, the swarm is open (see docs/security.md)")
     a("--status-auth", type=int, help="1: the status page, /api/status, /api/events and /metrics need the secret "
                                       "too (?token=, printed at start); 0: open (default 0)")
+    a("--task", help="what to train: MODULE:ATTR or path/to/file.py:ATTR, a swarm.Task or a function returning "
+                     "one (default: the built-in byte LM)")
+    a("--task-arg", action="append", metavar="KEY=VALUE", dest="task_arg",
+      help="an argument of the task function, converted to its parameter's type (repeatable); without --task, "
+           "the built-in task's size: d_model, layers, heads, context, table_rows")
     a("--join-timeout", type=float, help=f"seconds to keep retrying an unreachable --join (default {d.join_timeout})")
     a("--steps", type=int, help="stop once the swarm reaches this step, evaluate, and print a JSON summary "
                                 "(default 0: train until stopped)")
-    a("--batch-size", type=int, help=f"sequences per step on this peer (default {d.batch_size})")
-    a("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    a("--batch-size", type=int, help=f"built-in task: sequences of 128 bytes per step on this peer (default {d.batch_size})")
+    a("--lr", type=float, help=f"built-in task: peak learning rate (default {d.lr})")
     a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
     a("--compression", help=f"none, topk, topk-int8 or topk-int4 (default {d.compression})")
     a("--min-payload", type=int, help="bytes: send at least the entries that fill this much per step (a small "
       f"model's payloads would otherwise be sparser than worth it; 0 = only --ratio; default {d.min_payload})")
     a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
-    a("--seed", type=int, help=f"model initialisation seed; every peer of a swarm must use the same (default {d.seed})")
-    a("--data", help="train on these text files (a file or a directory) instead of the Python standard library")
+    a("--seed", type=int, help=f"the swarm seed: every peer builds the model under it, and all must use the same "
+                               f"(default {d.seed})")
+    a("--data", help="built-in task: train on these text files (a file or a directory) instead of the Python "
+                     "standard library")
     a("--threads", type=int, help=f"torch threads for this peer (default {d.threads})")
     a("--min-peers", type=int, help="wait until this many peers are training before the first step (default 1)")
-    a("--table-rows", type=int, help=f"rows of each hashed embedding table (default {d.table_rows})")
+    a("--table-rows", type=int, help=f"built-in task: rows of each hashed embedding table (default {d.table_rows})")
     a("--table-slots", type=int, help=f"slots (row ranges) per table, the unit of ownership (default {d.table_slots})")
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")
-    a("--table-lr", type=float, help=f"learning rate of the row-wise Adam on table rows (default {d.table_lr})")
+    a("--table-lr", type=float, help="learning rate of the row-wise Adam on table rows (default: the task's "
+                                     "table_lr; the built-in task's is 0.03)")
     a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default {d.row_dtype})")
     a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16, int8 or int4 (default {d.push_dtype})")
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
@@ -80,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ban-seconds", type=float, help="refuse the payloads of a peer whose score fell too low (outliers, "
                                         f"invalid payloads) this long (default {d.ban_seconds})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")
-    a("--eval-batches", type=int, help=f"held-out batches evaluated at the end (default {d.eval_batches})")
+    a("--eval-batches", type=int, help=f"built-in task: held-out batches evaluated (default {d.eval_batches})")
     a("--eval-every", type=int, help="also evaluate the held-out batches every this many steps, for the val_loss "
                                      "curve on the status page and in the summary (default 0: only at the end)")
     a("--device", help="where the model and each step's rows live: auto (this rank's GPU if torch sees one), "
@@ -104,7 +120,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v
-    cfg = PeerConfig(**values)
+    try:
+        values["task_args"] = parse_task_args(args.task_arg or [])
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    given = set(values) - {"task_args"}
+    cfg = PeerConfig(**values, given=frozenset(given))
+    if cfg.task:
+        cfg.check_user_task()
     cfg.validate()
     return cfg, bool(args.verbose)
 
@@ -125,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _user_code_failed(e: UserCodeError) -> int:
+    """The task's own code raised: its traceback (the user's to debug), then our one line."""
+    cause = e.__cause__ or e
+    sys.stderr.write("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
+    sys.stderr.write(f"peer.py: error: {e} (the traceback above is from the task's code)\n")
+    return 1
+
+
 async def _run(cfg: PeerConfig) -> int:
     from .group.comm import GroupError
     from .node import JoinError, Peer
@@ -137,7 +168,7 @@ async def _run(cfg: PeerConfig) -> int:
 
     try:
         peer = Peer(cfg, out=out)
-    except (ConfigError, GroupError) as e:
+    except (ConfigError, GroupError, TaskError) as e:
         sys.stderr.write(f"peer.py: error: {e}\n")
         return 2
     loop = asyncio.get_running_loop()
@@ -146,7 +177,10 @@ async def _run(cfg: PeerConfig) -> int:
     try:
         await peer.start()
         summary = await peer.run()
-    except (JoinError, GroupError) as e:
+    except UserCodeError as e:
+        await peer.close()
+        return _user_code_failed(e)
+    except (JoinError, GroupError, TaskError) as e:
         sys.stderr.write(f"peer.py: error: {e}\n")
         await peer.close()
         return 2

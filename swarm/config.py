@@ -31,11 +31,15 @@ class PeerConfig:
     # security (docs/security.md)
     secret: str = field(default="", repr=False)  # shared swarm secret; "" = open swarm; "generate" (first peer)
     status_auth: int = 0  # 1 = the status page, /api/status, /api/events and /metrics need the secret too
+    # what to train (swarm/task.py): "MODULE:ATTR" or "FILE.py:ATTR"; empty = the built-in byte LM
+    task: str = ""
+    task_args: Mapping[str, str] = field(default_factory=dict)  # --task-arg KEY=VALUE, converted by the task
     # training
     steps: int = 0  # 0 = train until stopped; else stop once the swarm step reaches this
+    seed: int = 0  # the swarm seed: every peer builds the model under it
+    # built-in task only (refused with a user task): sequences of 128 bytes per step, peak lr, text files
     batch_size: int = 16
     lr: float = 3e-3
-    seed: int = 0
     data: str = ""  # path of the user's text files; empty = the Python standard library
     threads: int = 1
     min_peers: int = 1  # wait until this many peers are alive before the first step
@@ -55,7 +59,7 @@ class PeerConfig:
     table_rows: int = 65536
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
     table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
-    table_lr: float = 3e-2  # row-wise Adam on the table rows (one step per row per flush of pushes)
+    table_lr: float = 0.0  # row-wise Adam on the table rows; 0 = the task's table_lr (built-in: 0.03)
     row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
@@ -77,6 +81,20 @@ class PeerConfig:
     progress_interval: float = 3.0
     peer_id: str = ""  # empty = random
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # the fields given on the command line or in SWARM_* variables (the CLI fills it); a Python
+    # caller's non-default values count as given too
+    given: frozenset = field(default_factory=frozenset, repr=False)
+
+    def is_given(self, name: str) -> bool:
+        return name in self.given or getattr(self, name) != getattr(_DEFAULTS, name)
+
+    def check_user_task(self) -> None:
+        """A user task brings its own batches, optimizer and tables: the built-in task's flags would
+        mean nothing, so they are refused (ConfigError naming the first)."""
+        for name in BUILTIN_ONLY:
+            if self.is_given(name):
+                raise ConfigError(f"--{name.replace('_', '-')} is a setting of the built-in task; with a user task "
+                                  "set it in the task (a --task-arg, if the task takes one)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting."""
@@ -99,7 +117,7 @@ class PeerConfig:
         need(1024 <= self.table_rows <= 1 << 26, f"--table-rows must be in 1024..{1 << 26}, got {self.table_rows}")
         need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
-        need(0 < self.table_lr < 1, f"--table-lr must be in (0, 1), got {self.table_lr}")
+        need(0 <= self.table_lr < 1, f"--table-lr must be in (0, 1) (0 = the task's), got {self.table_lr}")
         need(self.row_dtype in ROW_DTYPES,
              f"--row-dtype must be fp32, fp16, bf16, int8 or int4, got {self.row_dtype!r}")
         need(self.push_dtype in ROW_DTYPES,
@@ -171,8 +189,12 @@ def parse_hostport(text: str, *, what: str, port_optional: bool = False) -> tupl
     return host, int(port_text)
 
 
+BUILTIN_ONLY = ("batch_size", "lr", "data", "table_rows", "eval_batches")
+_DEFAULTS = PeerConfig()
+
+
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(PeerConfig) if f.name != "extra"]
+    return [f.name for f in dataclasses.fields(PeerConfig) if f.name not in ("extra", "task_args", "given")]
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The Peer: wires membership, gradient rounds, the trainer and the HTTP server together.
+"""The Peer: wires membership, gradient rounds, the task's replica and the HTTP server together.
 
 Data flows one way: batch -> forward/backward (training thread) -> codec -> POST to peers ->
 (peers) validated -> round book -> aggregate -> optimizer step. The event loop only moves bytes
@@ -23,8 +23,7 @@ from aiohttp import web
 
 from . import checkpoint, gossip, robust, threads
 from .codec import CodecConfig, Compressor, Encoded, HEADER
-from .config import PeerConfig, parse_hostport
-from .data import load_corpus
+from .config import ConfigError, PeerConfig, parse_hostport
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Member, Membership, MembershipConfig, SendSync
 from .membership_shell import MembershipShell
@@ -33,7 +32,9 @@ from .steptimes import StepTimes
 from .tables import RowOptConfig
 from .tables.http import TableClient
 from .tables.service import TableService
-from .trainer import Trainer
+from .replica import MAX_NONFINITE, Replica, StepStats
+from .task import Task, TaskError, TaskTypeError, load_task
+from .tasks import default_task
 from .transport import ByteCounts, PeerUnreachable, Transport
 from .wire import PROTOCOL_VERSION
 
@@ -53,7 +54,8 @@ class JoinError(Exception):
 @dataclass
 class Progress:
     losses: list[float] = field(default_factory=list)
-    tokens: int = 0
+    samples: int = 0
+    tokens: int = 0  # samples x the task's tokens_per_sample (language models)
     contributed: int = 0  # steps this peer computed a gradient for
     started_at: float = 0.0
     wire_bytes: int = 0  # gradient payload bytes produced (once, not per target)
@@ -64,8 +66,25 @@ class Progress:
 
 
 class Peer(MembershipShell):
-    def __init__(self, cfg: PeerConfig, out: Callable[[str], None] = print):
+    """One swarm peer training ``task`` (a swarm.Task; None or omitted: the built-in byte LM, sized
+    by ``cfg``). ``Peer(cfg)`` is ``Peer(None, cfg)``. ``async with Peer(task, cfg) as peer:`` starts
+    it (joining ``cfg.join``) and leaves the swarm at the end; ``await peer.run()`` trains."""
+
+    def __init__(self, task: "Task | PeerConfig | None" = None, cfg: PeerConfig | None = None, *,
+                 out: Callable[[str], None] = print):
+        if isinstance(task, PeerConfig):
+            if cfg is not None:
+                raise TypeError("Peer(task, cfg): the first argument is the task")
+            task, cfg = None, task
+        cfg = cfg if cfg is not None else PeerConfig()
+        if task is not None and not isinstance(task, Task):
+            raise TaskTypeError(f"Peer needs a swarm.Task, got {type(task).__name__}")
         cfg.validate()
+        if task is not None:
+            if cfg.task:
+                raise ConfigError(f"a Task was given and --task {cfg.task!r} too: give one")
+            cfg.check_user_task()
+        self.task = task
         self.cfg = cfg
         self.out = out
         # under torchrun this process is one rank of a host group (swarm/group, docs/design.md)
@@ -98,10 +117,14 @@ class Peer(MembershipShell):
         self._tasks: set[asyncio.Task] = set()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self.transport = Transport(self.counts)
-        self.trainer: Trainer | None = None
+        self.replica: Replica | None = None
+        # the last round's combined payloads, in the replica's flat space (a host group's leader
+        # broadcasts it: its ranks step on the same bits), and what combining them found
+        self.aggregate: torch.Tensor | None = None
+        self.last_report: robust.Report | None = None
+        self.robust_cfg = robust.RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
         self.compressor: Compressor | None = None
         self.members: Membership | None = None
-        self.corpus_hash = ""
         self.addr = ""
         self.active = False  # contributing gradients (false while a joiner syncs)
         self.started = False  # has begun its first step (joiners then need a state sync)
@@ -119,6 +142,42 @@ class Peer(MembershipShell):
         return await asyncio.get_running_loop().run_in_executor(self._table_pool, functools.partial(fn, *args))
 
     # -- start-up ----------------------------------------------------------------------------
+    async def __aenter__(self) -> "Peer":
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.leave()
+
+    def _build_replica(self, device: str) -> Replica:
+        """The task's replica, tried once on a batch before the peer listens (training thread)."""
+        task = self.task
+        if task is None and self.cfg.task:
+            self.cfg.check_user_task()
+            task = load_task(self.cfg.task, self.cfg.task_args)
+        elif task is None:
+            task = default_task(self.cfg)  # the built-in byte LM, sized by the built-in flags and task args
+        elif self.cfg.task_args:
+            raise TaskError("task args (--task-arg) are for a task loaded by name (--task) or the built-in one")
+        replica = Replica(task, seed=self.cfg.seed, device=device, table_lr=self.cfg.table_lr or None)
+        replica.check()
+        return replica
+
+    def _tables_line(self) -> str:
+        specs = self.replica.table_specs
+        return ("; tables " + ", ".join(f"{t.name} {t.rows}x{t.dim}" for t in specs)) if specs else ""
+
+    def state_limit(self) -> int:
+        """Bytes a state download may have: the model's state, up to three times that again for the
+        optimizer's (Adam keeps two moments), and room for the metadata."""
+        r = self.replica
+        model_bytes = sum(t.numel() * t.element_size() for t in [*r.params, *r.frozen.values(), *r.buffers.values()])
+        return 4 * model_bytes + (16 << 20)
+
     async def start(self) -> None:
         """Build the replica, start serving, and join the swarm if --join was given."""
         torch.set_num_threads(self.cfg.threads)
@@ -131,16 +190,14 @@ class Peer(MembershipShell):
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
             # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
             self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
-        corpus = await self.work(load_corpus, self.cfg.data or None)
-        self.corpus_hash = corpus.hash
-        self.trainer = await self.work(Trainer, self.cfg, corpus, device)
+        self.replica = await self.work(self._build_replica, device)
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
                                 clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
         codec_cfg.validate()
-        self.compressor = Compressor(self.trainer.manifest, codec_cfg, sender=self.id)
-        self.tables = TableService(self.id, self.trainer.table_specs, replicas=self.cfg.replicas,
-                                   slots=self.cfg.table_slots,
-                                   opt=RowOptConfig(kind="adam", lr=self.cfg.table_lr))
+        self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
+        self.tables = TableService(self.id, self.replica.table_specs, replicas=self.cfg.replicas,
+                                   slots=self.cfg.table_slots, opt=RowOptConfig(kind="adam", lr=self.replica.table_lr),
+                                   inits=self.replica.table_inits)
 
         from . import auth  # docs/security.md
         from .server import build_app  # the routes are a thin shell over this object
@@ -173,7 +230,7 @@ class Peer(MembershipShell):
                                         self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
-                 f"(model {self.trainer.manifest.numel / 1e6:.2f}M params, corpus {corpus.name} {corpus.hash[:12]})")
+                 f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
         if generated:
             self.out(f"join this swarm with: python3 peer.py --join {self.addr[len('http://'):]} "
                      f"--secret {self.cfg.secret}")
@@ -211,7 +268,7 @@ class Peer(MembershipShell):
             self._event("checkpoint", "the swarm is training: its state is newer than our checkpoint")
             return
         try:
-            step = await self.work(self.trainer.load_state_blob, ck.dense, self.corpus_hash)
+            step = await self.work(self.replica.load_state_blob, ck.dense)
             self.compressor.load_state_dict(ck.residual)
         except (ValueError, KeyError) as e:
             raise checkpoint.CheckpointError(f"{self.cfg.checkpoint}: {e}") from None
@@ -222,11 +279,11 @@ class Peer(MembershipShell):
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,
         the files from a helper thread (each atomic)."""
-        dense = await self.work(self.trainer.state_blob, self.corpus_hash)
+        dense = await self.work(self.replica.state_blob)
         residual = await self.work(self.compressor.state_dict)
         tables = await self.table_work(checkpoint.tables_blob, self.tables.shards, self.table_layout())
         await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint, dense=dense, residual=residual,
-                                tables=tables, step=self.trainer.step, layout=self.table_layout(), peer_id=self.id)
+                                tables=tables, step=self.replica.step, layout=self.table_layout(), peer_id=self.id)
         self._last_checkpoint = time.monotonic()
 
     async def _form_group(self, comm: Comm, join: str) -> str:
@@ -239,7 +296,7 @@ class Peer(MembershipShell):
             raise JoinError("two ranks of this host group have the same peer id")
         self.group = HostGroup(self, comm, ids)
         self.members.set_meta(group=ids[0], grank=comm.rank)
-        self._event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.trainer.device}); "
+        self._event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.replica.device}); "
                              f"leader {ids[0][:8]}")
         if not join and comm.rank > 0:
             join = addrs[0][len("http://"):]
@@ -274,15 +331,14 @@ class Peer(MembershipShell):
     def _hello(self) -> dict:
         return {
             "protocol": PROTOCOL_VERSION,
-            "corpus": self.corpus_hash,
-            "manifest": self.trainer.manifest.hash,
+            "task": self.replica.fingerprint,
             "tables": self.table_layout(),
             "membership": self.members.join_request(),
         }
 
     def table_layout(self) -> str:
         """What every peer must agree on for the ownership maps to agree: rows, width, slots, replicas."""
-        specs = ",".join(f"{t.name}:{t.rows}x{t.dim}" for t in self.trainer.table_specs)
+        specs = ",".join(f"{t.name}:{t.rows}x{t.dim}" for t in self.replica.table_specs)
         return f"{specs}/slots={self.cfg.table_slots}/replicas={self.cfg.replicas}"
 
     # -- gradient rounds -------------------------------------------------------------------------
@@ -376,11 +432,11 @@ class Peer(MembershipShell):
                 await self._until_ready()
                 if not self._stop.is_set():
                     await self._train()
-            if self.trainer.step > 0 or self.cfg.steps:
+            if self.replica.step > 0 or self.cfg.steps:
                 await self._settle_rows()
                 await self._evaluate_now()
-            sketch = self.last_sketch = await self.work(self.trainer.sketch)
-            if self.cfg.checkpoint and self.trainer.step > 0:
+            sketch = self.last_sketch = await self.work(self.replica.sketch)
+            if self.cfg.checkpoint and self.replica.step > 0:
                 await self.save_checkpoint()
             if self.cfg.steps and not self._stop.is_set():
                 await self._linger()
@@ -412,11 +468,24 @@ class Peer(MembershipShell):
         self.started = True
         self.active = True
 
-    def take_shard(self) -> None:
-        """Draw batches from our share of the training files (one share per live member)."""
+    def _shard(self) -> tuple[int, int, int]:
+        """(index, count, seed) of our share of the data: one share per live member."""
         ids = self.members.alive_ids()
-        seed = self.cfg.seed * 7919 + int.from_bytes(self.id.encode()[:8], "little")
-        self.trainer.set_shard(ids.index(self.id), len(ids), seed=seed)
+        seed = (self.cfg.seed * 7919 + int.from_bytes(self.id.encode()[:8], "little")) % (1 << 32)
+        return ids.index(self.id), len(ids), seed
+
+    def take_shard(self) -> None:
+        """Draw batches from our share of the data (the task's batches(shard))."""
+        self.replica.set_shard(*self._shard())
+
+    async def sample_batch(self) -> tuple[Any, dict]:
+        """The next batch and the table ids it reads; a new shard first when the membership moved
+        (the task's batches() is called again with it)."""
+        index, count, seed = self._shard()
+        shard = self.replica.shard
+        if shard is None or (shard.index, shard.count) != (index, count):
+            await self.work(self.replica.set_shard, index, count, seed)
+        return await self.work(self.replica.sample)
 
     def _announce(self, from_step: int) -> None:
         """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
@@ -434,11 +503,11 @@ class Peer(MembershipShell):
                 break  # every contributor's current traffic reaches us: no round after the snapshot is lost
             await asyncio.sleep(0.1)
         donor = self._pick_donor()
-        limit = 3 * self.trainer.manifest.numel * 4 + (1 << 20)
+        limit = self.state_limit()
         try:
             blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
                                                 reply_limit=limit, kind="state")
-            step = await self.work(self.trainer.load_state_blob, blob, self.corpus_hash)
+            step = await self.work(self.replica.load_state_blob, blob)
         except (PeerUnreachable, ValueError) as e:
             raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
         self.book.reset(step)
@@ -449,7 +518,7 @@ class Peer(MembershipShell):
             exp = self.expected(self.book.step)
             if not exp or self.book.missing(self.book.step, exp):
                 break
-            await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(), 0))
+            await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(), 0))
         start = self.book.step + 4
         self._announce(start)
         for pid in self.members.alive_ids(include_self=False):
@@ -457,7 +526,7 @@ class Peer(MembershipShell):
             self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
         while self.book.step < start and not self._stop.is_set():
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
-            await self.work(self.trainer.apply, self.book.take(self.book.step, exp, time.monotonic(),
+            await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
 
     def _pick_donor(self) -> Member:
@@ -472,7 +541,7 @@ class Peer(MembershipShell):
 
     async def _fetch_batch(self) -> tuple[torch.Tensor, dict, dict, dict]:
         """The next batch and its table rows, pulled from their owners."""
-        batch, want = await self.work(self.trainer.sample)
+        batch, want = await self.sample_batch()
         rows, missing = await self.table_client.pull(want)
         return batch, want, rows, missing
 
@@ -518,6 +587,7 @@ class Peer(MembershipShell):
 
     async def _train(self) -> None:
         self.progress.started_at = self._last_print = time.monotonic()
+        await self.evaluate_first()
         prefetched: asyncio.Future | None = None
         while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
             if self._behind() > RESYNC_LAG:
@@ -534,6 +604,7 @@ class Peer(MembershipShell):
             self.step_times.mark("rows")
             stats, row_grads, enc = await self.work(self._compute_and_compress, batch, want, rows, step)
             self.step_times.mark("compute")
+            self.check_finite(stats, step)
             last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
             if last:  # the last rows go out before the last payload (_settle_rows relies on it)
                 await self._push_rows(row_grads, missing, step)
@@ -558,21 +629,44 @@ class Peer(MembershipShell):
             await asyncio.gather(prefetched, return_exceptions=True)
         await self._drain_pushes(keep=0)
 
+    def check_finite(self, stats: StepStats, step: int) -> None:
+        """A non-finite loss skipped the step (its gradient was dropped) and is counted; too many in
+        a row stop the peer with a TaskError."""
+        if stats.finite:
+            return
+        run = self.replica.nonfinite_run
+        self._event("nonfinite", f"step {step}: the loss was {stats.loss}; the step's gradient was dropped ({run} in a row)")
+        if run >= MAX_NONFINITE:
+            raise TaskError(f"the task's loss was not finite in {run} steps in a row (last at step {step}): stopping")
+
     def _compute_and_compress(self, batch, want, rows, step: int) -> tuple[Any, dict, Encoded]:
         """Forward/backward, then the payload of its gradient: one trip to the training thread."""
-        stats, flat, row_grads = self.trainer.compute(batch, want, rows)
+        stats, flat, row_grads = self.replica.compute(batch, want, rows)
         return stats, row_grads, self.compressor.compress(flat, step)
 
     def record_contribution(self, stats: Any, enc: Encoded | None) -> None:
         """Count a computed step (``enc``: the payload we sent for it, if we sent one)."""
         p = self.progress
-        p.losses.append(stats.loss)
-        p.tokens += stats.tokens
+        if stats.finite:
+            p.losses.append(stats.loss)
+        p.samples += stats.samples
+        p.tokens += stats.samples * self.replica.task.tokens_per_sample
         p.contributed += 1
         if enc is not None:
             p.wire_bytes += enc.wire_bytes
             p.dense_equiv += enc.dense_bytes
             p.skipped_steps = self.compressor.skipped_steps
+
+    def apply_round(self, result: gossip.RoundResult) -> int:
+        """Combine a round's payloads by the swarm's rule into ``aggregate`` and step the replica on
+        it (training thread). Returns how many contributions it combined; ``last_report`` keeps
+        their norms and verdicts (the scoreboard reads them)."""
+        if self.aggregate is None or self.aggregate.numel() != self.replica.numel:
+            self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
+        self.aggregate.zero_()
+        self.last_report = gossip.aggregate_report(self.aggregate, result, self.robust_cfg)
+        self.replica.apply_aggregate(self.aggregate, result.step, self.last_report.count)
+        return self.last_report.count
 
     async def take_round(self, step: int) -> None:
         """Wait for round ``step`` (or its deadline), aggregate it and step the replica."""
@@ -584,9 +678,9 @@ class Peer(MembershipShell):
         # payloads of banned senders (filed before the ban) leave the round, on every peer alike
         result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
         result.late = self.robust.split(result.late, time.monotonic())[0]
-        await self.work(self.trainer.apply, result)
+        await self.work(self.apply_round, result)
         self.step_times.mark("apply")
-        for pid in self.robust.observe(self.trainer.last_report, time.monotonic()):
+        for pid in self.robust.observe(self.last_report, time.monotonic()):
             self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
 
     async def after_step(self, step: int, loss: float) -> None:
@@ -594,7 +688,7 @@ class Peer(MembershipShell):
         self.members.set_meta(step=self.book.step)
         self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
         if self.book.step % SKETCH_EVERY == 0:
-            self.last_sketch = await self.work(self.trainer.sketch)
+            self.last_sketch = await self.work(self.replica.sketch)
         if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
             await self._evaluate_now()
         if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
@@ -602,6 +696,11 @@ class Peer(MembershipShell):
         if time.monotonic() - self._last_print >= self.cfg.progress_interval:
             self._last_print = time.monotonic()
             self.out(self.progress_line())
+
+    async def evaluate_first(self) -> None:
+        """With --eval-every, the held-out curve starts where this peer's training does."""
+        if self.cfg.eval_every and not self.progress.val_history:
+            await self._evaluate_now()
 
     async def _evaluate_now(self) -> None:
         v = await self.evaluate()
@@ -612,13 +711,13 @@ class Peer(MembershipShell):
     async def evaluate(self) -> float | None:
         """Mean loss over the fixed held-out batches, with their rows pulled from the owners
         (None when the corpus is too small to hold a held-out batch)."""
-        if not self.trainer.val:
+        if not self.replica.val:
             return None
         losses = []
-        for batch in self.trainer.val:
-            want = await self.work(self.trainer.rows_of, batch)
+        for batch in self.replica.val:
+            want = await self.work(self.replica.rows_of, batch)
             rows, _ = await self.table_client.pull(want)
-            losses.append(await self.work(self.trainer.eval_loss, batch, want, rows))
+            losses.append(await self.work(self.replica.eval_loss, batch, want, rows))
         return sum(losses) / len(losses)
 
     async def _linger(self) -> None:
@@ -638,7 +737,9 @@ class Peer(MembershipShell):
         recent = p.losses[-10:]
         loss = sum(recent) / len(recent) if recent else float("nan")
         ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
-        return (f"step {self.book.step} loss {loss:.3f} tok/s {p.tokens / elapsed:.0f} "
+        rate = (f"tok/s {p.tokens / elapsed:.0f}" if self.replica.task.tokens_per_sample
+                else f"samples/s {p.samples / elapsed:.1f}")
+        return (f"step {self.book.step} loss {loss:.3f} {rate} "
                 f"peers {len(self.members.alive_ids())} sent {sum(self.counts.sent.values()) / 1e6:.2f}MB "
                 f"recv {sum(self.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
 
@@ -708,6 +809,10 @@ class Peer(MembershipShell):
             "rounds_timed_out": self.book.stats.timed_out_rounds,
             "late_payloads": self.book.stats.late,
             "tokens": p.tokens,
+            "samples": p.samples,
+            "nonfinite_losses": self.replica.nonfinite if self.replica else 0,
+            "lr": self.replica.lr() if self.replica else None,
+            "task": self.task_info(),
             "seconds": round(time.monotonic() - p.started_at, 2) if p.started_at else 0.0,
             "row_bytes_sent": self.counts.sent.get("rows", 0) + self.counts.sent.get("replica", 0),
             "row_bytes_received": self.counts.received.get("rows", 0) + self.counts.received.get("replica", 0),
@@ -721,6 +826,18 @@ class Peer(MembershipShell):
             "val_history": [[s, round(v, 5)] for s, v in p.val_history],
             "group": self.group.status() if self.group is not None else None,
         }
+
+    def task_info(self) -> dict | None:
+        """What the swarm trains: the task's name and version, its dense size and its tables."""
+        r = self.replica
+        if r is None:
+            return None
+        return {"name": r.task.name, "version": r.task.version, "fingerprint": r.fingerprint,
+                "tokens_per_sample": r.task.tokens_per_sample,
+                "params": sum(p.numel() for p in r.params), "buffers": sum(b.numel() for b in r.buffers.values()),
+                "dense_values": r.manifest.numel, "lr": r.lr(), "nonfinite_losses": r.nonfinite,
+                "tables": [{"name": t.name, "path": r.paths[t.name], "rows": t.rows, "dim": t.dim}
+                           for t in r.table_specs]}
 
     def status(self) -> dict:
         """The /api/status document (see docs/protocol.md)."""
@@ -737,6 +854,8 @@ class Peer(MembershipShell):
             "loss": sum(recent) / len(recent) if recent else None,
             "val_loss": p.val_loss,
             "tokens_per_s": p.tokens / elapsed if elapsed > 0 else 0.0,
+            "samples_per_s": p.samples / elapsed if elapsed > 0 else 0.0,
+            "task": self.task_info(),
             "members": members,
             "bytes_sent": dict(self.counts.sent),
             "bytes_received": dict(self.counts.received),

@@ -1,31 +1,69 @@
-"""One peer's replica of the model: compute a gradient, apply an aggregate, evaluate, snapshot.
+"""One peer's replica of a task's model: compute a gradient, step on an aggregate, evaluate, state.
 
-Every method here is blocking compute and runs on the peer's single training thread (see
-node.Peer.work), never on the event loop. Methods are called one at a time in the order the node
-decides: there is no locking because there is no concurrency inside a replica.
+The replica knows no particular model. Its state is the model's own parameters and persistent
+buffers, the optimizer's and the scheduler's own ``state_dict``s, and the step. The task's tables
+are not part of it: they are ShardedEmbeddings (swarm/tables/embedding.py) whose rows are bound for
+each forward from what the peer pulled.
+
+The flat space that the codec compresses (``manifest``) is every trainable parameter, then every
+numeric persistent buffer. A step's vector holds the parameters' gradients and the buffers' change
+during the forward (BatchNorm's running statistics, ``num_batches_tracked``); the buffers are put
+back as they were, and every peer adds the same aggregated change to them when it applies a round,
+so buffers stay bit-identical like parameters (for BatchNorm: an update with the contributors'
+mean batch statistics). Integer buffers add the aggregate rounded to the nearest integer; bool
+buffers are restored and never change.
+
+Every method is blocking compute and runs on the peer's single training thread, never on the
+event loop, one call at a time: there is no locking because there is no concurrency inside.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
-import struct
+import threading
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.nn as nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from . import statedict
 from .codec import Manifest
-from .config import PeerConfig
-from .data import BatchSampler, Corpus, val_batches
-from .gossip import RoundResult, aggregate_report
-from .robust import Report, RobustConfig
-from .model import TABLES, ModelConfig, SwarmLM, param_sketch
+from .codec.manifest import ManifestEntry
+from .sketch import param_sketch
+from .statedict import StateDictError, safetensors_metadata
 from .tables import TableSpec
+from .tables.embedding import ShardedEmbedding, swap_tables
+from .task import Shard, Task, TaskError, TaskTypeError, UserCodeError, call_user
 
-STATE_FORMAT = "swarm-state-1"
+STATE_FORMAT = "swarm-state-2"
+MAX_NONFINITE = 10  # losses in a row that may be non-finite before the peer stops
+_BUILD = threading.Lock()  # model construction seeds torch's global generator: one build at a time
+
+
+_WHAT = {"name": "task name", "version": "task version",
+         "model": "model (the names, shapes and dtypes of its parameters and buffers)",
+         "tables": "tables (name:rows x width)", "seed": "seed (--seed)", "data": "data (the built-in corpus or --data)"}
+
+
+def fingerprint_differs(ours: dict[str, str], theirs: Any) -> str | None:
+    """None when a joiner's task fingerprint equals ours; else one line naming what differs, with
+    both values (the 409 a join gets)."""
+    if not isinstance(theirs, dict):
+        return "join message lacks the task fingerprint (a peer of an older swarm version?)"
+    for key, label in _WHAT.items():
+        a, b = ours.get(key), theirs.get(key)
+        if a != b:
+            show = (lambda v: repr(v)[:80])
+            return f"task fingerprint differs: {label}: this swarm has {show(a)}, the joiner {show(b)}"
+    extra = sorted(set(theirs) - set(ours))
+    if extra:
+        return f"task fingerprint differs: unknown field {str(extra[0])[:40]!r}"
+    return None
 
 
 class StateError(ValueError):
@@ -35,148 +73,322 @@ class StateError(ValueError):
 @dataclass
 class StepStats:
     loss: float
-    tokens: int
+    samples: int
     grad_norm: float
+    finite: bool = True  # False: the loss was not finite and the step's gradient was dropped
 
 
-class Trainer:
-    def __init__(self, cfg: PeerConfig, corpus: Corpus, device: str = "cpu"):
-        self.cfg = cfg
-        self.corpus = corpus
-        # the model, its optimizer and each step's batch and rows live on ``device``; gradients,
-        # aggregates and state blobs cross to the host, where the codec and the wire are
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor on ``device`` (tuples, lists and dicts kept as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch) if not hasattr(batch, "_fields") \
+            else type(batch)(*(to_device(b, device) for b in batch))
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def samples_of(batch: Any) -> int:
+    """The first dimension of the batch's first tensor (depth first): its sample count."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for b in items:
+        n = samples_of(b)
+        if n:
+            return n
+    return 0
+
+
+class Replica:
+    def __init__(self, task: Task, seed: int = 0, device: str = "cpu", table_lr: float | None = None):
+        if not isinstance(task, Task):
+            raise TaskTypeError(f"expected a swarm.Task, got {type(task).__name__}")
+        self.task = task
+        self.seed = seed
         self.device = torch.device(device)
-        # The hashed tables are not part of the replica: they are sharded across the swarm
-        # (swarm/tables), and every step brings the rows it needs (see compute()).
-        self.model_cfg = ModelConfig(ngram_rows=cfg.table_rows, value_rows=cfg.table_rows, seed=cfg.seed,
-                                     local_tables=False)
-        self.model = SwarmLM(self.model_cfg).to(self.device)
-        self.table_specs = [TableSpec(name, cfg.table_rows, self.model_cfg.d_model) for name in TABLES]
-        self.manifest = Manifest.from_module(self.model)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.names = [e.name for e in self.manifest.entries]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.table_lr = table_lr or task.table_lr
+        with _BUILD, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = call_user("model()", task.model)
+        if not isinstance(model, nn.Module):
+            raise TaskTypeError(f"the task's model() returned a {type(model).__name__}, not a torch.nn.Module")
+        self.modules: dict[str, ShardedEmbedding] = swap_tables(model, task.tables)
+        self.model = model.to(self.device)
+        self.ids_of = {name: task.tables[path] for name, path in zip(self.modules, task.tables)}
+        self.paths = dict(zip(self.modules, task.tables))  # table name -> module path
+        for emb in self.modules.values():
+            emb.weight.device = self.device
+        self.table_specs = [TableSpec(name, m.num_embeddings, m.embedding_dim) for name, m in self.modules.items()]
+        self.table_inits = {name: m.init_rows for name, m in self.modules.items()}
+
+        seen: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        self.names: list[str] = []
+        self.frozen: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                self.params.append(p)
+                self.names.append(name)
+            else:
+                self.frozen[name] = p
+        param_names = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        self.buffers: dict[str, torch.Tensor] = {
+            n: t for n, t in self.model.state_dict(keep_vars=True).items() if n not in param_names}
+        self.flowing = [n for n, b in self.buffers.items() if b.dtype != torch.bool and not b.dtype.is_complex]
+        entries = [ManifestEntry(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(self.names, self.params)]
+        entries += [ManifestEntry(n, tuple(self.buffers[n].shape), str(self.buffers[n].dtype).removeprefix("torch."),
+                                  kind="buffer") for n in self.flowing]
+        if not entries:
+            raise TaskError("the task's model has no trainable parameter and no buffer: nothing to train")
+        self.manifest = Manifest(tuple(entries))
+
+        self.opt = call_user("optimizer()", task.optimizer, self.params) if task.optimizer is not None \
+            else torch.optim.AdamW(self.params, lr=1e-3)
+        if not isinstance(self.opt, torch.optim.Optimizer):
+            raise TaskTypeError(f"the task's optimizer() returned a {type(self.opt).__name__}, not a "
+                                "torch.optim.Optimizer")
+        self.sched = call_user("scheduler()", task.scheduler, self.opt) if task.scheduler is not None else None
+        if self.sched is not None and not (callable(getattr(self.sched, "step", None))
+                                           and callable(getattr(self.sched, "state_dict", None))):
+            raise TaskTypeError(f"the task's scheduler() returned a {type(self.sched).__name__}, not an lr scheduler")
         self.step = 0  # rounds applied to this replica
-        self.sampler: BatchSampler | None = None
-        self.val = val_batches(corpus, cfg.batch_size, self.model_cfg.context, max_batches=cfg.eval_batches,
-                               prefix=self.model_cfg.prefix)
-        self._agg = torch.zeros(self.manifest.numel, dtype=torch.float32)
-        self.robust_cfg = RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
-        self.last_report: Report | None = None  # what the last apply() aggregated (the node scores peers on it)
+        self.val: list = []
+        if task.eval_batches is not None:
+            val = call_user("eval_batches()", task.eval_batches)
+            if isinstance(val, (str, bytes)) or not hasattr(val, "__iter__"):
+                raise TaskTypeError(f"the task's eval_batches() returned a {type(val).__name__}, not a list of batches")
+            self.val = list(val)
+        self.shard: Shard | None = None
+        self._batches: Iterator | None = None
+        self.nonfinite = 0  # steps whose loss was not finite
+        self.nonfinite_run = 0  # ... in a row, now
+        self.fingerprint = self._fingerprint()
+
+    # -- identity ---------------------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, str]:
+        """What every peer of a swarm must agree on (compared at join, docs/task.md)."""
+        desc = [[n, list(t.shape), str(t.dtype).removeprefix("torch."), kind]
+                for kind, items in (("param", zip(self.names, self.params)), ("frozen", self.frozen.items()),
+                                    ("buffer", self.buffers.items()))
+                for n, t in items]
+        model = hashlib.sha256(json.dumps(desc, separators=(",", ":")).encode()).hexdigest()[:16]
+        tables = ",".join(f"{s.name}:{s.rows}x{s.dim}" for s in self.table_specs)
+        return {"name": self.task.name, "version": self.task.version, "model": model, "tables": tables,
+                "seed": str(self.seed), "data": self.task.data_id}
+
+    @property
+    def numel(self) -> int:
+        return self.manifest.numel
 
     # -- data -------------------------------------------------------------------------------
     def set_shard(self, index: int, count: int, seed: int) -> None:
-        """Draw batches from this peer's shard of the training files."""
-        self.sampler = BatchSampler(self.corpus, self.cfg.batch_size, self.model_cfg.context, seed=seed,
-                                    shard=(index, count))
+        """Draw batches from this peer's shard (a new iterator of the task's batches)."""
+        self.shard = Shard(index, count, seed, 0)
+        self._batches = iter(call_user("batches()", self.task.batches, self.shard))
 
-    # -- one step ---------------------------------------------------------------------------
-    def sample(self) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    def next_batch(self) -> Any:
+        assert self._batches is not None and self.shard is not None, "set_shard first"
+        for _ in range(2):
+            try:
+                return call_user("batches() iterator", next, self._batches)
+            except UserCodeError as e:
+                if not isinstance(e.__cause__, StopIteration):
+                    raise
+            # a finite iterator ended: the next epoch of the same shard
+            self.shard = Shard(self.shard.index, self.shard.count, self.shard.seed, self.shard.epoch + 1)
+            self._batches = iter(call_user("batches()", self.task.batches, self.shard))
+        raise TaskError("the task's batches() gave no batch for this shard (an empty iterator, twice)")
+
+    def sample(self) -> tuple[Any, dict[str, np.ndarray]]:
         """The next batch of this peer's shard and the sorted-unique table rows it touches."""
-        assert self.sampler is not None, "set_shard first"
-        batch = self.sampler.next()
+        batch = self.next_batch()
         return batch, self.rows_of(batch)
 
-    def rows_of(self, batch: torch.Tensor) -> dict[str, np.ndarray]:
-        return {name: ids.numpy() for name, ids in self.model.unique_table_ids(batch).items()}
+    def rows_of(self, batch: Any) -> dict[str, np.ndarray]:
+        """{table: sorted-unique int64 ids} the batch reads, checked (integers, in range)."""
+        out = {}
+        for name, fn in self.ids_of.items():
+            ids = call_user(f"tables[{self.paths[name]!r}]", fn, batch)
+            if isinstance(ids, torch.Tensor):
+                if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                    raise TaskTypeError(f"tables[{self.paths[name]!r}](batch) returned {ids.dtype} ids: ids "
+                                        "must be integers")
+                arr = ids.detach().reshape(-1).cpu().to(torch.int64).numpy()
+            elif isinstance(ids, np.ndarray) and np.issubdtype(ids.dtype, np.integer):
+                arr = ids.reshape(-1).astype(np.int64)
+            else:
+                raise TaskTypeError(f"tables[{self.paths[name]!r}](batch) returned a "
+                                    f"{getattr(ids, 'dtype', type(ids).__name__)}: it must be an integer tensor")
+            rows = self.modules[name].num_embeddings
+            if arr.size and (arr.min() < 0 or arr.max() >= rows):
+                bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+                raise TaskError(f"tables[{self.paths[name]!r}](batch) returned id {bad}, outside the table's "
+                                f"0..{rows - 1}")
+            out[name] = np.unique(arr)
+        return out
 
-    def compute(self, batch: torch.Tensor, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
+    # -- one step ---------------------------------------------------------------------------
+    def _bind(self, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor], grad: bool) -> dict[str, torch.Tensor]:
+        leaves = {}
+        for name, mod in self.modules.items():
+            r = rows[name].detach().to(self.device, copy=True)
+            if grad:
+                r.requires_grad_(True)
+            leaves[name] = r
+            mod.bind(torch.from_numpy(want[name]).to(self.device), r)
+        return leaves
+
+    def _unbind(self) -> None:
+        for mod in self.modules.values():
+            mod.unbind()
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        loss = call_user("loss()", self.task.loss, self.model, batch)
+        if not isinstance(loss, torch.Tensor):
+            raise TaskTypeError(f"the task's loss() returned a {type(loss).__name__}, not a tensor")
+        if loss.numel() != 1:
+            raise TaskError(f"the task's loss() returned a tensor of shape {tuple(loss.shape)}: it must be a "
+                            "scalar (e.g. take .mean())")
+        if not loss.dtype.is_floating_point:
+            raise TaskTypeError(f"the task's loss() returned a {loss.dtype} tensor: it must be floating point")
+        return loss.reshape(())
+
+    def compute(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
                 ) -> tuple[StepStats, torch.Tensor, dict[str, tuple[np.ndarray, torch.Tensor]]]:
         """Forward and backward on ``batch`` with the pulled table ``rows`` (fp32, in ``want`` order).
 
-        Returns the loss, the flat fp32 gradient of the dense parameters, and the gradient of every
-        pulled row: {table: (ids, grads [len(ids), d])}."""
+        Returns the stats, the flat fp32 vector (parameter gradients, then the buffers' change) and
+        the gradient of every pulled row: {table: (ids, grads [len(ids), d])}. A non-finite loss
+        gives a zero vector and no row gradients (the step is skipped and counted)."""
         self.model.train()
         for p in self.params:
             p.grad = None
-        leaves = {name: rows[name].detach().to(self.device, copy=True).requires_grad_(True) for name in want}
-        table_rows = {name: (torch.from_numpy(want[name]).to(self.device), leaves[name]) for name in want}
-        loss = self.model.loss(batch.to(self.device), table_rows)
-        loss.backward()
-        flat = self.manifest.flatten_grads(self.model)
+        before = {n: b.detach().clone() for n, b in self.buffers.items()}
+        leaves = self._bind(want, rows, grad=True)
+        try:
+            loss = self._loss(to_device(batch, self.device))
+            finite = bool(torch.isfinite(loss.detach()))
+            if finite:
+                call_user("loss().backward()", loss.backward)
+        finally:
+            self._unbind()
+        flat = torch.zeros(self.manifest.numel, dtype=torch.float32)
+        row_grads: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+        with torch.no_grad():
+            if finite:
+                views = self.manifest.unflatten(flat)
+                for name, p in zip(self.names, self.params):
+                    if p.grad is not None:
+                        views[name].copy_(p.grad.detach())
+                for name in self.flowing:
+                    views[name].copy_((self.buffers[name].detach().double() - before[name].double()).float())
+                if not bool(torch.isfinite(flat).all()):
+                    finite = False
+                    flat.zero_()
+            for name, b in self.buffers.items():
+                b.copy_(before[name])
         for p in self.params:
             p.grad = None
-        row_grads = {name: (want[name], leaves[name].grad.cpu() if leaves[name].grad is not None
-                            else torch.zeros(leaves[name].shape)) for name in want}
-        tokens = batch.shape[0] * self.model_cfg.context
-        return StepStats(loss=float(loss.detach()), tokens=tokens, grad_norm=float(flat.norm())), flat, row_grads
+        if finite:
+            row_grads = {name: (want[name], leaves[name].grad.cpu() if leaves[name].grad is not None
+                                else torch.zeros(leaves[name].shape)) for name in want}
+            self.nonfinite_run = 0
+        else:
+            row_grads = {name: (want[name][:0], torch.zeros(0, self.modules[name].embedding_dim)) for name in want}
+            self.nonfinite += 1
+            self.nonfinite_run += 1
+        stats = StepStats(loss=float(loss.detach()), samples=samples_of(batch), grad_norm=float(flat.norm()),
+                          finite=finite)
+        return stats, flat, row_grads
 
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up over 20 steps, then cosine to 10% at cfg.steps (constant when unbounded)."""
-        warm = 20
-        if step < warm:
-            return self.cfg.lr * (step + 1) / warm
-        if self.cfg.steps <= warm:
-            return self.cfg.lr
-        t = min(1.0, (step - warm) / max(1, self.cfg.steps - warm))
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    def check(self) -> None:
+        """Try the task once before the peer listens: a batch, its ids, a forward and backward
+        (nothing of the replica changes). TaskError or UserCodeError name what is wrong."""
+        with torch.random.fork_rng(devices=[]):
+            it = iter(call_user("batches()", self.task.batches, Shard(0, 1, self.seed, 0)))
+            try:
+                batch = call_user("batches() iterator", next, it)
+            except UserCodeError as e:
+                if isinstance(e.__cause__, StopIteration):
+                    raise TaskError("the task's batches() gave no batch (an empty iterator)") from None
+                raise
+            want = self.rows_of(batch)
+            rows = {t: torch.zeros(len(ids), self.modules[t].embedding_dim) for t, ids in want.items()}
+            run = self.nonfinite, self.nonfinite_run
+            self.compute(batch, want, rows)
+            self.nonfinite, self.nonfinite_run = run
+            for b in self.val[:1]:
+                self.rows_of(b)
 
     @torch.no_grad()
-    def apply(self, result: RoundResult) -> int:
-        """Optimizer step on the round's aggregate (cfg.aggregation, swarm/robust.py). Returns how many
-        contributions it combined; ``last_report`` keeps their norms and verdicts."""
-        self._agg.zero_()
-        self.last_report = aggregate_report(self._agg, result, self.robust_cfg)
-        self.apply_aggregate(result.step, self.last_report.count)
-        return self.last_report.count
-
-    @property
-    def aggregate(self) -> torch.Tensor:
-        """The flat fp32 aggregate the last apply() stepped on (a host group's leader sends it to its
-        ranks, which step on the same bits with apply_aggregate)."""
-        return self._agg
-
-    @torch.no_grad()
-    def apply_aggregate(self, step: int, count: int) -> None:
-        """Optimizer step on ``self.aggregate`` as round ``step``'s (no step when nothing was combined)."""
+    def apply_aggregate(self, agg: torch.Tensor, step: int, count: int) -> None:
+        """Step on ``agg`` (a flat fp32 vector in manifest order) as round ``step``'s, where ``count``
+        contributions were combined (none: no step): the optimizer (then the scheduler) on the
+        parameters, the change added to the buffers. Every peer steps on the same bits."""
         if count:
-            grads = self.manifest.unflatten(self._agg)
+            views = self.manifest.unflatten(agg)
             for name, p in zip(self.names, self.params):
-                p.grad = grads[name].to(self.device)
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr_at(self.step)
+                p.grad = views[name].to(self.device, p.dtype)
             self.opt.step()
+            if self.sched is not None:
+                self.sched.step()
             for p in self.params:
                 p.grad = None
+            for name in self.flowing:
+                b, d = self.buffers[name], views[name].to(self.device)
+                if b.dtype.is_floating_point:
+                    b.add_(d.to(b.dtype))
+                else:
+                    b.add_(torch.round(d).to(b.dtype))
         self.step = step + 1
+
+    def lr(self) -> float | None:
+        """The first parameter group's learning rate now."""
+        return float(self.opt.param_groups[0]["lr"]) if self.opt.param_groups else None
 
     # -- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, batch: torch.Tensor, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> float:
-        """Loss on one held-out batch (the node pulls its rows; the batches are identical on every peer)."""
+    def eval_loss(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> float:
+        """Loss on one held-out batch in eval mode (the node pulls its rows)."""
         self.model.eval()
-        table_rows = {name: (torch.from_numpy(want[name]).to(self.device), rows[name].to(self.device))
-                      for name in want}
-        return float(self.model.loss(batch.to(self.device), table_rows))
+        self._bind(want, rows, grad=False)
+        try:
+            return float(self._loss(to_device(batch, self.device)))
+        finally:
+            self._unbind()
+            self.model.train()
 
     @torch.no_grad()
     def sketch(self) -> list[float]:
-        return param_sketch(self.model)
+        """param_sketch over the trainable parameters, then every numeric buffer (manifest order)."""
+        return param_sketch([*self.params, *(self.buffers[n] for n in self.flowing)])
 
     # -- state transfer ---------------------------------------------------------------------
     @torch.no_grad()
-    def state_blob(self, corpus_hash: str) -> bytes:
-        """Dense parameters and optimizer state as one safetensors blob (for GET /v1/state)."""
+    def state_blob(self) -> bytes:
+        """Model state, optimizer and scheduler state as one safetensors blob (GET /v1/state)."""
         tensors: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.names, self.params):
+        for name, p in [*zip(self.names, self.params), *self.frozen.items()]:
             tensors["p." + name] = p.detach().cpu().contiguous()
-            st = self.opt.state.get(p)
-            if st:
-                tensors["m." + name] = st["exp_avg"].cpu().contiguous()
-                tensors["v." + name] = st["exp_avg_sq"].cpu().contiguous()
-        opt_steps = {float(st["step"]) for st in self.opt.state.values()} if self.opt.state else {0.0}
-        meta = {
-            "format": STATE_FORMAT,
-            "step": str(self.step),
-            "opt_step": str(int(max(opt_steps))),
-            "manifest": self.manifest.hash,
-            "corpus": corpus_hash,
-        }
+        for name, b in self.buffers.items():
+            tensors["b." + name] = b.detach().cpu().contiguous()
+        opt_tree, opt_tensors = statedict.pack(self.opt.state_dict(), "o.")
+        tensors.update(opt_tensors)
+        sched_tree, sched_tensors = statedict.pack(self.sched.state_dict() if self.sched is not None else None, "s.")
+        tensors.update(sched_tensors)
+        meta = {"format": STATE_FORMAT, "step": str(self.step), "fingerprint": json.dumps(self.fingerprint),
+                "optimizer": statedict.dumps(opt_tree), "scheduler": statedict.dumps(sched_tree)}
         return st_save(tensors, metadata=meta)
 
     @torch.no_grad()
-    def load_state_blob(self, blob: bytes, corpus_hash: str) -> int:
-        """Replace parameters and optimizer state from a peer's blob; returns its step.
+    def load_state_blob(self, blob: bytes) -> int:
+        """Replace model, optimizer and scheduler state from a peer's blob; returns its step.
 
         Everything is checked before anything is written, so a bad blob leaves the replica as it was.
         """
@@ -187,56 +399,84 @@ class Trainer:
             raise StateError(f"malformed state blob: {e}") from None
         if meta.get("format") != STATE_FORMAT:
             raise StateError(f"state format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
-        if meta.get("manifest") != self.manifest.hash:
-            raise StateError("state was made for another model (manifest hash differs)")
-        if meta.get("corpus") != corpus_hash:
-            raise StateError("state was made on another corpus (corpus hash differs)")
+        try:
+            theirs = json.loads(meta.get("fingerprint", ""))
+        except ValueError:
+            theirs = None
+        if theirs != self.fingerprint:
+            what = [k for k in self.fingerprint if not isinstance(theirs, dict) or theirs.get(k) != self.fingerprint[k]]
+            raise StateError(f"state was made for another task (its {', '.join(what) or 'fingerprint'} differs)")
         try:
             step = int(meta["step"])
-            opt_step = int(meta["opt_step"])
         except (KeyError, ValueError):
             raise StateError("state metadata lacks a valid step") from None
-        if step < 0 or opt_step < 0:
+        if step < 0:
             raise StateError("negative step in state")
-        has_opt = any(k.startswith("m.") for k in tensors)
-        expected = {"p." + n for n in self.names}
-        if has_opt:
-            expected |= {"m." + n for n in self.names} | {"v." + n for n in self.names}
-        if set(tensors) != expected:
-            extra = sorted(set(tensors) - expected)[:3]
-            missing = sorted(expected - set(tensors))[:3]
+        model = {**dict(zip(self.names, self.params)), **self.frozen}
+        expected = {"p." + n for n in model} | {"b." + n for n in self.buffers}
+        named = {k for k in tensors if k[:2] in ("p.", "b.")}
+        if named != expected:
+            extra = sorted(named - expected)[:3]
+            missing = sorted(expected - named)[:3]
             raise StateError(f"state tensors do not match the model (missing {missing}, unexpected {extra})")
-        for name, p in zip(self.names, self.params):
-            for prefix in ("p.", "m.", "v.") if has_opt else ("p.",):
-                t = tensors[prefix + name]
-                if t.shape != p.shape or t.dtype != p.dtype:
-                    raise StateError(f"{prefix}{name}: shape {tuple(t.shape)} {t.dtype}, expected "
-                                     f"{tuple(p.shape)} {p.dtype}")
-                if not torch.isfinite(t).all():
-                    raise StateError(f"{prefix}{name} holds non-finite values")
-        for name, p in zip(self.names, self.params):
-            p.copy_(tensors["p." + name])
-        self.opt.state.clear()
-        if has_opt:
-            for name, p in zip(self.names, self.params):
-                self.opt.state[p] = {
-                    "step": torch.tensor(float(opt_step)),
-                    "exp_avg": tensors["m." + name].to(p.device, copy=True),
-                    "exp_avg_sq": tensors["v." + name].to(p.device, copy=True),
-                }
+        for key, ref in [*(("p." + n, t) for n, t in model.items()), *(("b." + n, t) for n, t in self.buffers.items())]:
+            t = tensors[key]
+            if t.shape != ref.shape or t.dtype != ref.dtype:
+                raise StateError(f"{key}: shape {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
+            if t.dtype.is_floating_point and not torch.isfinite(t).all():
+                raise StateError(f"{key} holds non-finite values")
+        try:
+            opt_sd = statedict.unpack(statedict.loads(meta.get("optimizer", "")), tensors, "o.")
+            sched_sd = statedict.unpack(statedict.loads(meta.get("scheduler", "")), tensors, "s.")
+            self._check_optimizer_state(opt_sd)
+            if self.sched is None:
+                if sched_sd is not None:
+                    raise StateDictError("the state has a scheduler, this task has none")
+            else:
+                statedict.same_shape(self.sched.state_dict(), sched_sd, "scheduler")
+        except StateDictError as e:
+            raise StateError(f"optimizer or scheduler state: {e}") from None
+        if set(tensors) - expected - {k for k in tensors if k[:2] in ("o.", "s.")}:
+            raise StateError("state holds tensors of no known kind")
+        try:
+            self.opt.load_state_dict(opt_sd)  # builds the new state whole before it replaces the old one
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise StateError(f"optimizer state does not load: {e}") from None
+        if self.sched is not None:
+            self.sched.load_state_dict(sched_sd)
+        for n, t in model.items():
+            t.copy_(tensors["p." + n])
+        for n, b in self.buffers.items():
+            b.copy_(tensors["b." + n])
         self.step = step
         return step
 
-
-def safetensors_metadata(blob: bytes) -> dict[str, str]:
-    """The __metadata__ map of a safetensors blob (header parsed by hand: 8-byte length + JSON)."""
-    if len(blob) < 8:
-        raise ValueError("blob shorter than its header length field")
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    if hlen > len(blob) - 8 or hlen > 1 << 24:
-        raise ValueError("header length out of range")
-    header = json.loads(blob[8:8 + hlen])
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError("metadata is not a string map")
-    return meta
+    def _check_optimizer_state(self, sd: Any) -> None:
+        """A downloaded optimizer state_dict fits our optimizer: the same groups, parameters and
+        hyperparameter kinds; per-parameter state of known parameters, finite, no larger than its
+        parameter (plus scalars such as Adam's step)."""
+        ours = self.opt.state_dict()
+        if not isinstance(sd, dict) or set(sd) != set(ours):
+            raise StateDictError("optimizer state_dict keys differ")
+        statedict.same_shape(ours["param_groups"], sd["param_groups"], "param_groups")
+        for g_ours, g in zip(ours["param_groups"], sd["param_groups"]):
+            if g_ours["params"] != g["params"]:
+                raise StateDictError("param_groups hold other parameters")
+        state = sd["state"]
+        if not isinstance(state, dict):
+            raise StateDictError("optimizer state is not a map")
+        by_index = dict(enumerate(self.params))
+        for idx, entry in state.items():
+            if not isinstance(idx, int) or idx not in by_index or not isinstance(entry, dict):
+                raise StateDictError(f"state for unknown parameter {idx!r}")
+            p = by_index[idx]
+            for key, v in entry.items():
+                if not isinstance(key, str):
+                    raise StateDictError("per-parameter state keys must be strings")
+                if isinstance(v, torch.Tensor):
+                    if v.numel() > max(p.numel(), 1) or (v.dtype.is_floating_point and not torch.isfinite(v).all()):
+                        raise StateDictError(f"state {key!r} of parameter {idx} is too large or not finite")
+                    if v.numel() == p.numel() and v.dim() and tuple(v.shape) != tuple(p.shape):
+                        raise StateDictError(f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}")
+                elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise StateDictError(f"state {key!r} of parameter {idx} is a {type(v).__name__}")

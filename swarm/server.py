@@ -16,7 +16,9 @@ from aiohttp import web
 
 from . import auth, gossip, robust
 from .codec import CodecError, HEADER, MODES, decode_payload
+from .codec.config import MAX_SPARSE_RATIO
 from .membership import MembershipError
+from .replica import fingerprint_differs as task_differs
 from .tables.http import add_routes as add_table_routes
 from .tables.http import body_limits as table_body_limits
 from .status import routes as status_page
@@ -28,8 +30,6 @@ if TYPE_CHECKING:
 
 PEER = web.AppKey("peer", object)
 CONTROL_LIMIT = 256 * 1024  # membership and join messages
-# A sparse payload denser than this is larger than a dense one; the codec sends dense there instead.
-MAX_SPARSE_RATIO = 0.5
 CONTROL_PATHS = ("/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave")
 # the status routes --status-auth 1 closes (/static/* stays open: the page's assets hold no data)
 STATUS_PATHS = ("/", "/api/status", "/api/events", "/metrics")
@@ -54,9 +54,9 @@ def body_limit(request: web.Request) -> int:
         return CONTROL_LIMIT
     peer = request.app[PEER]
     if path == "/v1/grads":
-        if peer.trainer is None:
+        if peer.replica is None:
             raise BadRequest("peer is starting", 503)
-        return grads_limit(peer.trainer.manifest)
+        return grads_limit(peer.replica.manifest)
     if path.startswith("/v1/rows/"):
         if getattr(peer, "tables", None) is None:
             raise BadRequest("this peer serves no tables yet", 503, code="starting")
@@ -121,7 +121,7 @@ async def errors(request: web.Request, handler):
 
 def _peer(request: web.Request) -> "Peer":
     peer = request.app[PEER]
-    if peer.members is None or peer.trainer is None:
+    if peer.members is None or peer.replica is None:
         raise BadRequest("peer is starting", 503)
     return peer
 
@@ -135,10 +135,9 @@ async def join(request: web.Request) -> web.Response:
     msg = await _control(request)
     if msg.get("protocol") != PROTOCOL_VERSION:
         raise BadRequest(f"protocol version {msg.get('protocol')!r} is not {PROTOCOL_VERSION}", 409)
-    if msg.get("corpus") != peer.corpus_hash:
-        raise BadRequest("corpus hash differs: this swarm trains on other data (check --data and the Python version)", 409)
-    if msg.get("manifest") != peer.trainer.manifest.hash:
-        raise BadRequest("model manifest differs: this swarm trains another model (check --table-rows)", 409)
+    differs = task_differs(peer.replica.fingerprint, msg.get("task"))
+    if differs:
+        raise BadRequest(differs, 409, code="task")
     if msg.get("tables") != peer.table_layout():
         raise BadRequest(f"table layout differs: this swarm uses {peer.table_layout()} "
                          "(check --table-rows, --table-slots and --replicas)", 409)
@@ -180,7 +179,7 @@ async def grads(request: web.Request) -> web.Response:
     mode = request.headers.get(HEADER)
     if mode not in MODES:
         raise BadRequest(f"{HEADER} header must be one of {', '.join(MODES)}, got {mode!r}")
-    manifest = peer.trainer.manifest
+    manifest = peer.replica.manifest
     limit = grads_limit(manifest)
     body = await read_body(request, limit)
     decode = functools.partial(decode_payload, body, manifest, header_mode=mode, max_ratio=MAX_SPARSE_RATIO,
@@ -220,9 +219,9 @@ async def state(request: web.Request) -> web.StreamResponse:
     peer = _peer(request)
     if not (peer.started and peer.active) and peer.book.step == 0:
         raise BadRequest("this peer has no state to give yet (not training)", 503)
-    blob = await peer.work(peer.trainer.state_blob, peer.corpus_hash)
+    blob = await peer.work(peer.replica.state_blob)
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
-                                       "X-Swarm-Step": str(peer.trainer.step)})
+                                       "X-Swarm-Step": str(peer.replica.step)})
     resp.content_length = len(blob)
     await resp.prepare(request)
     view = memoryview(blob)

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the join carries the task fingerprint
 MSGPACK_TYPE = "application/msgpack"
 # A body up to this size is decoded on the event loop (~0.1-0.4 ms), not on a helper thread: a
 # thread hop (submit, wake, call back into the loop) costs about as much, and a step makes dozens.

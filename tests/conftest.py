@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.config import PeerConfig
+from swarm.config import BUILTIN_ONLY, PeerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -40,9 +40,9 @@ def rel_l2(a, b) -> float:
 class PeerProcess:
     """`python peer.py ...` with its stdout collected line by line in the background."""
 
-    def __init__(self, *args: str, env: dict | None = None, launcher: list[str] | None = None):
-        flags = []
-        for k, v in SMALL.items():
+    def __init__(self, *args: str, env: dict | None = None, launcher: list[str] | None = None, small: bool = True):
+        flags = []  # small: the built-in task at a test's size (a user task brings its own)
+        for k, v in (SMALL if small else {k: v for k, v in SMALL.items() if k not in BUILTIN_ONLY}).items():
             flags += [f"--{k.replace('_', '-')}", str(v)]
         # a launcher (torchrun) starts several processes: kill() reaches them all
         self.group = bool(launcher)
@@ -159,8 +159,8 @@ def spawn():
     """Start `python peer.py` subprocesses; all are killed at teardown."""
     procs: list[PeerProcess] = []
 
-    def start(*args: str, env: dict | None = None, launcher: list[str] | None = None) -> PeerProcess:
-        p = PeerProcess(*args, env=env, launcher=launcher)
+    def start(*args: str, env: dict | None = None, launcher: list[str] | None = None, small: bool = True) -> PeerProcess:
+        p = PeerProcess(*args, env=env, launcher=launcher, small=small)
         procs.append(p)
         return p
 

@@ -53,7 +53,7 @@ async def main(out_dir: Path, replicas: int, backend: str, device: str, reps: in
     await peer.start()
     comm, group = peer.group.comm, peer.group
     report: dict = {"rank": comm.rank, "id": peer.id, "settled": await settle(peer, comm.world)}
-    tables = [s.name for s in peer.trainer.table_specs]
+    tables = [s.name for s in peer.replica.table_specs]
 
     # Give every row a history: each rank pushes seeded gradients for its ids over HTTP (TableClient).
     g = torch.Generator().manual_seed(comm.rank)

@@ -29,7 +29,7 @@ def test_write_atomic_keeps_the_old_file_when_a_write_fails(tmp_path: Path):
 
 
 def snapshot(p: Peer) -> tuple[dict, dict]:
-    dense = {k: v.clone() for k, v in p.trainer.model.state_dict().items()}
+    dense = {k: v.clone() for k, v in p.replica.model.state_dict().items()}
     slots = {(t, s): sh.checksum(s) for t, sh in p.tables.shards.items() for s in sh.slots()}
     return dense, slots
 
@@ -51,7 +51,7 @@ async def test_a_peer_resumes_dense_state_residual_and_table_slots(tmp_path: Pat
     b = Peer(small_cfg(steps=12, checkpoint=ck), out=lambda line: None)
     await b.start()
     try:
-        assert b.book.step == 8 and b.trainer.step == 8
+        assert b.book.step == 8 and b.replica.step == 8
         dense, slots = snapshot(b)
         assert all(torch.equal(dense[k], saved_dense[k]) for k in saved_dense)
         assert slots == saved_slots

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.data import (EXCLUDED_DIRS, PAD, PREFIX, BatchSampler, Corpus, load_corpus, path_hash,
+from swarm.tasks.bytelm.corpus import (EXCLUDED_DIRS, PAD, PREFIX, BatchSampler, Corpus, load_corpus, path_hash,
                         val_batches)
-from swarm.model import ModelConfig
+from swarm.tasks.bytelm.model import ModelConfig
 
 torch.set_num_threads(1)
 

@@ -88,11 +88,11 @@ class Harness:
         dim = p.tables.specs[0].dim
         name = p.tables.specs[0].name
         state = p.tables.full_state(name, ids)
-        comp = Compressor(p.trainer.manifest, CodecConfig(mode="topk-int8", ratio=0.01), sender="9ad5e4de00000000")
-        enc = comp.compress(torch.randn(p.trainer.manifest.numel, generator=torch.Generator().manual_seed(1)), 0)
+        comp = Compressor(p.replica.manifest, CodecConfig(mode="topk-int8", ratio=0.01), sender="9ad5e4de00000000")
+        enc = comp.compress(torch.randn(p.replica.manifest.numel, generator=torch.Generator().manual_seed(1)), 0)
         octet = {"Content-Type": "application/octet-stream"}
         return {
-            "/v1/join": (msgpack.packb({"protocol": 1, "corpus": "0" * 64, "manifest": p.trainer.manifest.hash,
+            "/v1/join": (msgpack.packb({"protocol": 2, "task": {**p.replica.fingerprint, "data": "0" * 64},
                                         "tables": p.table_layout(), "membership": stranger}), {}),
             "/v1/ping": (msgpack.packb({**stranger, "type": "ping", "target": "0" * 16, "updates": []}), {}),
             "/v1/ping-req": (msgpack.packb({**hdr, "type": "ping_req", "target": "0" * 16,
@@ -115,7 +115,7 @@ class Harness:
             def on_table_thread():
                 return {(t, s): sh.checksum(s) for t, sh in self.peer.tables.shards.items() for s in sh.slots()}
             return await self.peer.table_work(on_table_thread)
-        params = {k: v.detach().clone() for k, v in self.peer.trainer.model.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in self.peer.replica.model.state_dict().items()}
         return params, self.run(take())
 
 
@@ -276,7 +276,7 @@ def test_fuzz_status_routes_need_the_token(h, method, path):
 
 def test_oversized_bodies_are_refused_while_streaming(h):
     """Every POST route, a chunked body (no Content-Length) one byte over its limit: 413."""
-    limits = {"/v1/grads": h.peer.trainer.manifest.numel * 4 + (1 << 16), **body_limits(h.peer.tables)}
+    limits = {"/v1/grads": h.peer.replica.manifest.numel * 4 + (1 << 16), **body_limits(h.peer.tables)}
     for _, path in ROUTES:
         if path == "/v1/state":
             continue
@@ -307,8 +307,8 @@ def test_zz_peer_is_healthy_afterwards(h):
     async def admit():  # on the peer's own loop: membership is not thread-safe
         p.members.handle_join(other.join_request(), time.monotonic())
     h.run(admit())
-    comp = Compressor(p.trainer.manifest, CodecConfig(mode="topk-int8", ratio=0.01), sender=friend)
-    enc = comp.compress(torch.randn(p.trainer.manifest.numel, generator=torch.Generator().manual_seed(7)), 0)
+    comp = Compressor(p.replica.manifest, CodecConfig(mode="topk-int8", ratio=0.01), sender=friend)
+    enc = comp.compress(torch.randn(p.replica.manifest.numel, generator=torch.Generator().manual_seed(7)), 0)
     hdrs = {HEADER: enc.mode, "Content-Type": "application/octet-stream", **sign("POST", "/v1/grads", enc.blob)}
     status, reply = h.send("POST", "/v1/grads", enc.blob, hdrs)
     assert status == 200 and b"accepted" in reply, reply

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.model import (NGRAM_TAG, PAD, TABLES, VALUE_TAG, ModelConfig, SwarmLM, hash_symbols,
+from swarm.tasks.bytelm.model import (NGRAM_TAG, PAD, TABLES, VALUE_TAG, ModelConfig, SwarmLM, hash_symbols,
                          param_sketch)
 
 torch.set_num_threads(1)
@@ -77,13 +77,13 @@ def test_shapes_init_and_api():
     cfg = ModelConfig()
     assert cfg.prefix == 3 and PAD == 0
     m = SwarmLM(cfg)
-    assert set(m.tables.keys()) == set(TABLES)
+    assert set(m.table_parameters()) == set(TABLES)
     tp = m.table_parameters()
     assert tp["ngram"].shape == (65536, 128) and tp["value"].shape == (65536, 128)
     assert all(float(p.detach().abs().sum()) == 0 for p in tp.values())
     dense = m.dense_parameters()
     assert sum(p.numel() for _, p in dense) == 476416
-    assert not any(n.startswith("tables.") for n, _ in dense)
+    assert not any(n.split(".")[0] in TABLES for n, _ in dense)
     batch = make_batch(B=2, T=128)
     logits = m(batch[:, 3:-1], batch[:, :3])
     assert logits.shape == (2, 128, 256)
@@ -99,12 +99,19 @@ def test_shapes_init_and_api():
     assert not torch.equal(m.head.weight, m3.head.weight)
 
 
-def test_table_rows_path_matches_own_tables():
+def test_sharded_tables_match_local_tables():
+    """The swarm's model (ShardedEmbedding tables, rows bound per forward) computes what the same
+    model with local nn.Embedding tables computes, and row gradients land on the bound rows."""
+    from swarm.tables.embedding import TableError
+
     m = SwarmLM(ModelConfig(**SMALL))
     with torch.no_grad():  # non-zero tables so the check is not vacuous
         g = torch.Generator().manual_seed(7)
         for p in m.table_parameters().values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sharded = SwarmLM(ModelConfig(**SMALL, local_tables=False))
+    sharded.load_state_dict({k: v for k, v in m.state_dict().items() if k.split(".")[0] not in TABLES})
+    assert set(n for n, _ in sharded.named_parameters()) == set(n for n, _ in m.dense_parameters())
     batch = make_batch(B=4, T=32, seed=3)
 
     m.zero_grad()
@@ -113,42 +120,45 @@ def test_table_rows_path_matches_own_tables():
     dense_a = {n: p.grad.clone() for n, p in m.dense_parameters()}
     table_a = {k: p.grad.clone() for k, p in m.table_parameters().items()}
 
-    m.zero_grad()
     uids = m.unique_table_ids(batch)
     rows = {}
     for k, ids in uids.items():
         assert ids.dtype == torch.int64 and torch.equal(ids, torch.unique(ids))
         rows[k] = (ids, m.table_parameters()[k].detach()[ids].clone().requires_grad_())
-    loss_b = m.loss(batch, table_rows=rows)
+        getattr(sharded, k).bind(*rows[k])
+    loss_b = sharded.loss(batch)
     loss_b.backward()
     assert torch.allclose(loss_a, loss_b, atol=1e-6)
-    for n, p in m.dense_parameters():
+    for n, p in sharded.named_parameters():
         assert torch.allclose(dense_a[n], p.grad, atol=1e-6), n
     for k, (ids, r) in rows.items():
         assert torch.allclose(r.grad, table_a[k][ids], atol=1e-6), k
-        assert m.table_parameters()[k].grad is None or float(m.table_parameters()[k].grad.abs().sum()) == 0
         # every row the batch touches got a gradient, rows it does not touch got none
         untouched = torch.ones(table_a[k].shape[0], dtype=torch.bool)
         untouched[ids] = False
         assert float(table_a[k][untouched].abs().sum()) == 0
-    # missing ids are an error, not silently wrong
+    # ids the forward reads that were not pulled are an error, not silently wrong
     ids, r = rows["ngram"]
-    with pytest.raises(KeyError):
-        m.loss(batch, table_rows={**rows, "ngram": (ids[1:], r[1:])})
+    sharded.ngram.bind(ids[1:], r[1:])
+    with pytest.raises(TableError, match="did not return"):
+        sharded.loss(batch)
+    sharded.ngram.unbind()
+    with pytest.raises(TableError, match="no rows here"):
+        sharded.loss(batch)
 
 
 def test_param_sketch():
     m = SwarmLM(ModelConfig(**SMALL))
-    s1 = param_sketch(m)
-    assert len(s1) == 16 and s1 == param_sketch(SwarmLM(ModelConfig(**SMALL)))
-    assert s1 == param_sketch(m.dense_parameters())
-    assert len(param_sketch(m, dim=4)) == 4 and param_sketch(m, seed=1) != s1
+    s1 = param_sketch(m.dense_parameters())
+    assert len(s1) == 16 and s1 == param_sketch(SwarmLM(ModelConfig(**SMALL)).dense_parameters())
+    assert s1 == param_sketch([p for _, p in m.dense_parameters()])
+    assert len(param_sketch(m.dense_parameters(), dim=4)) == 4 and param_sketch(m.dense_parameters(), seed=1) != s1
     with torch.no_grad():
-        m.table_parameters()["ngram"][0] += 1.0  # tables are not part of the sketch
-    assert param_sketch(m) == s1
+        m.table_parameters()["ngram"][0] += 1.0  # tables are not part of the dense sketch
+    assert param_sketch(m.dense_parameters()) == s1
     with torch.no_grad():
         m.blocks[1].mlp.fc.weight[3, 5] += 1e-3
-    assert param_sketch(m) != s1
+    assert param_sketch(m.dense_parameters()) != s1
 
 
 def test_few_steps_reduce_loss():

@@ -13,6 +13,7 @@ import torch
 from swarm.codec import CodecConfig, Compressor, HEADER, Manifest
 from swarm.membership import Membership
 from swarm.node import Peer
+from swarm.wire import PROTOCOL_VERSION
 
 from .conftest import small_cfg
 
@@ -28,7 +29,7 @@ async def peer():
 
 
 def snapshot(p: Peer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in p.trainer.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in p.replica.model.state_dict().items()}
 
 
 def admit(p: Peer, peer_id: str) -> None:
@@ -38,7 +39,7 @@ def admit(p: Peer, peer_id: str) -> None:
 
 
 def payload(p: Peer, sender: str, step: int = 0, manifest: Manifest | None = None, mode="topk-int8"):
-    manifest = manifest or p.trainer.manifest
+    manifest = manifest or p.replica.manifest
     comp = Compressor(manifest, CodecConfig(mode=mode, ratio=0.01), sender=sender)
     g = torch.randn(manifest.numel, generator=torch.Generator().manual_seed(step))
     return comp.compress(g, step)
@@ -73,14 +74,16 @@ async def test_control_routes_refuse_garbage(peer, route):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-async def test_join_refuses_another_corpus_model_or_protocol(peer):
+async def test_join_refuses_another_task_or_protocol(peer):
     other = Membership("feedface00000000", "http://127.0.0.1:9", time.monotonic())
-    good = {"protocol": 1, "corpus": peer.corpus_hash, "manifest": peer.trainer.manifest.hash,
-            "tables": peer.table_layout(), "membership": other.join_request()}
-    for key, value, needle in [("corpus", "0" * 64, "corpus"), ("manifest", "0" * 16, "manifest"),
+    fp = peer.replica.fingerprint
+    good = {"protocol": PROTOCOL_VERSION, "task": fp, "tables": peer.table_layout(), "membership": other.join_request()}
+    for key, value, needle in [("task", {**fp, "data": "0" * 64}, "data"), ("task", {**fp, "model": "0" * 16}, "model"),
+                               ("task", {**fp, "seed": "7"}, "seed"), ("task", {**fp, "name": "other"}, "task name"),
+                               ("task", {**fp, "version": "9"}, "version"), ("task", "x", "fingerprint"),
                                ("protocol", 99, "protocol"), ("tables", "ngram:8x8/slots=1/replicas=9", "layout")]:
         status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
-        assert status == 409 and needle in reply["error"]
+        assert status == 409 and needle in reply["error"], reply
     assert peer.members.get("feedface00000000") is None
     status, reply = await post(peer, "/v1/join", msgpack.packb(good))
     assert status == 200 and peer.members.get("feedface00000000") is not None
@@ -107,7 +110,7 @@ async def test_grads_route_validates_everything_before_filing(peer):
     for body, headers, status, needle in cases:
         got, reply = await post(peer, "/v1/grads", body, headers)
         assert got == status and needle in reply["error"], (got, reply)
-    limit = peer.trainer.manifest.numel * 4 + (1 << 16)
+    limit = peer.replica.manifest.numel * 4 + (1 << 16)
     got, _ = await post(peer, "/v1/grads", b"\0" * (limit + 1), hdr)
     assert got == 413
     assert peer.book.pending == {}  # nothing was filed
@@ -134,23 +137,30 @@ async def test_state_route_refuses_until_training_and_status_is_json(peer):
 
 async def test_state_blob_round_trip_and_hostile_blobs(peer):
     """load_state_blob checks everything before writing: a bad blob leaves the replica unchanged."""
+    import json
+
     from safetensors.torch import save
 
-    from swarm.trainer import StateError
+    from swarm.replica import STATE_FORMAT, StateError
 
-    t = peer.trainer
-    blob = t.state_blob(peer.corpus_hash)
+    t = peer.replica
+    blob = t.state_blob()
     before = snapshot(peer)
-    bad = [b"", os.urandom(100), blob[:1000], save({"x": torch.zeros(1)}, metadata={"format": "swarm-state-1"})]
+    meta = {"format": STATE_FORMAT, "step": "3", "fingerprint": json.dumps(t.fingerprint), "optimizer":
+            json.dumps({"state": {}, "param_groups": t.opt.state_dict()["param_groups"]}), "scheduler": "null"}
+    bad = [b"", os.urandom(100), blob[:1000], save({"x": torch.zeros(1)}, metadata={"format": STATE_FORMAT})]
     tensors = {"p." + n: p.detach().clone() for n, p in zip(t.names, t.params)}
     tensors["p." + t.names[0]][0] = float("nan")
-    bad.append(save(tensors, metadata={"format": "swarm-state-1", "step": "3", "opt_step": "3",
-                                       "manifest": t.manifest.hash, "corpus": peer.corpus_hash}))
+    bad.append(save(tensors, metadata=meta))  # a NaN parameter
+    tensors["p." + t.names[0]][0] = 0.0
+    bad.append(save(tensors, metadata={**meta, "fingerprint": json.dumps({**t.fingerprint, "data": "other"})}))
+    bad.append(save(tensors, metadata={**meta, "optimizer": "{}"}))  # not this optimizer's state_dict
+    bad.append(save(tensors, metadata={**meta, "optimizer": "[1"}))  # not JSON
+    bad.append(save(tensors, metadata={**meta, "scheduler": json.dumps({"last_epoch": 1})}))  # another scheduler
+    bad.append(save({**tensors, "o.0": torch.zeros(1)}, metadata=meta))  # a tensor nothing refers to
     for b in bad:
         with pytest.raises(StateError):
-            t.load_state_blob(b, peer.corpus_hash)
-    with pytest.raises(StateError):
-        t.load_state_blob(blob, "another corpus")
+            t.load_state_blob(b)
     after = snapshot(peer)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert t.load_state_blob(blob, peer.corpus_hash) == 0
+    assert t.load_state_blob(blob) == 0

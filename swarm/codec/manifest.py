@@ -21,11 +21,13 @@ from .errors import CodecError
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One parameter: its name, shape and dtype name (e.g. "float32")."""
+    """One parameter (kind "param") or module buffer (kind "buffer": its per-step change travels
+    in the flat space and is added, not stepped by the optimizer): name, shape, dtype name."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    kind: str = "param"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -36,6 +38,8 @@ class ManifestEntry:
         object.__setattr__(self, "shape", shape)
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"manifest entry {self.name!r} needs a dtype name, got {self.dtype!r}")
+        if self.kind not in ("param", "buffer"):
+            raise ValueError(f"manifest entry {self.name!r}: kind must be 'param' or 'buffer', got {self.kind!r}")
 
     @property
     def numel(self) -> int:
@@ -85,7 +89,8 @@ class Manifest:
     def hash(self) -> str:
         """16 hex chars of sha256 over a canonical JSON description (order matters)."""
         desc = json.dumps(
-            {"v": 1, "e": [[e.name, list(e.shape), e.dtype] for e in self.entries]},
+            {"v": 1, "e": [[e.name, list(e.shape), e.dtype] + (["buffer"] if e.kind == "buffer" else [])
+                           for e in self.entries]},
             separators=(",", ":"), ensure_ascii=True,
         )
         return hashlib.sha256(desc.encode("utf-8")).hexdigest()[:16]

@@ -35,7 +35,7 @@ from ..tables.ownership import OwnershipMap, TableSpec
 from ..tables.service import Fenced, Moving, NotPrimary, TableService
 from ..tables.shard import ShardError
 from ..tables.wire import PushRequest, roundtrip
-from .comm import Comm, GroupError
+from .comm import Comm
 
 KEY_BITS = 40  # a key is table index << KEY_BITS | row id (--table-rows is at most 2**26)
 # what carries each wire dtype through a collective: int8 / int4 values travel dequantized (exact in fp32)
@@ -73,16 +73,16 @@ class GroupRows:
 
     def __init__(self, comm: Comm, rank_ids: list[str], specs: list[TableSpec], row_dtype: str = "int8",
                  push_dtype: str = "int8"):
-        dims = {s.dim for s in specs}
-        if len(dims) != 1:
-            raise GroupError("a host group moves rows of all tables in one exchange: they need one width")
         self.comm = comm
         self.rank_ids = list(rank_ids)
         self.rank_of = {pid: r for r, pid in enumerate(rank_ids)}
         self.self_id = rank_ids[comm.rank]
         self.specs = list(specs)
         self.table_index = {s.name: i for i, s in enumerate(specs)}
-        self.dim = dims.pop()
+        # rows of every table move in one exchange, each padded with zeros to the widest table (a
+        # zero changes no row's quantization scale, so a row keeps the bits an HTTP pull gives it)
+        self.dims = {s.name: s.dim for s in specs}
+        self.dim = max(self.dims.values(), default=1)
         self.row_dtype, self.push_dtype = row_dtype, push_dtype
         self.stats = GroupRowStats()
 
@@ -188,7 +188,7 @@ class GroupRows:
                 cast = roundtrip(rows, self.row_dtype).to(out.dtype)  # the bits an HTTP pull would decode
                 ok &= torch.isfinite(cast).all(dim=1).numpy()  # a row HTTP could not send either
                 sel = torch.from_numpy(np.flatnonzero(ok) + at)
-                out[sel, :self.dim] = cast[torch.from_numpy(ok)]
+                out[sel, :self.dims[table]] = cast[torch.from_numpy(ok)]
                 out[sel, self.dim] = 1
                 self.stats.rows_served += int(ok.sum())
                 at += len(ids)
@@ -206,7 +206,7 @@ class GroupRows:
             part = got[at:at + len(ids)]
             at += len(ids)
             ok = (part[:, self.dim] == 1).numpy()
-            rows.setdefault(table, []).append((ids[ok], part[torch.from_numpy(ok), :self.dim].to(torch.float32)))
+            rows.setdefault(table, []).append((ids[ok], part[torch.from_numpy(ok), :self.dims[table]].to(torch.float32)))
             if not ok.all():
                 missed.setdefault(table, []).append(ids[~ok])
         self.stats.rows_pulled += sum(len(i) for parts in rows.values() for i, _ in parts)
@@ -218,7 +218,8 @@ class GroupRows:
     def send_grads(self, per_rank: dict[int, dict[str, tuple[np.ndarray, torch.Tensor]]], view: str) -> Exchange:
         """Counts, keys and gradient rows to the primaries of the group (training thread)."""
         ex, _ = self._exchange_keys(per_rank, view)
-        parts = [per_rank[r][table][1] for r, table, _ in ex.sent]
+        parts = [torch.nn.functional.pad(per_rank[r][table][1], (0, self.dim - self.dims[table]))
+                 for r, table, _ in ex.sent]
         send = roundtrip(torch.cat(parts) if parts else torch.zeros(0, self.dim), self.push_dtype)
         send = send.to(_CARRIER[self.push_dtype])  # the values an HTTP push would decode
         ex.grads = self.comm.all_to_all(send, ex.send_counts, ex.recv_counts).to(torch.float32)
@@ -239,7 +240,7 @@ class GroupRows:
                 continue
             ids, grads, at = {}, {}, start
             for table, sub in runs:
-                ids[table], grads[table] = sub, ex.grads[at:at + len(sub)]
+                ids[table], grads[table] = sub, ex.grads[at:at + len(sub), :self.dims[table]]
                 at += len(sub)
             req = PushRequest(view=ex.views[s], key=f"{self.rank_ids[s]}/group:{step}", ids=ids, grads=grads)
             try:

@@ -40,7 +40,7 @@ class HostGroup:
         self.peer = peer
         self.comm = comm
         self.rank_ids = rank_ids
-        self.rows = GroupRows(comm, rank_ids, peer.trainer.table_specs, row_dtype=peer.cfg.row_dtype,
+        self.rows = GroupRows(comm, rank_ids, peer.replica.table_specs, row_dtype=peer.cfg.row_dtype,
                               push_dtype=peer.cfg.push_dtype)
         self.error: str | None = None
 
@@ -50,7 +50,7 @@ class HostGroup:
 
     def status(self) -> dict:
         return {"rank": self.comm.rank, "size": self.comm.world, "backend": self.comm.backend,
-                "leader": self.rank_ids[0], "ranks": self.rank_ids, "device": str(self.peer.trainer.device),
+                "leader": self.rank_ids[0], "ranks": self.rank_ids, "device": str(self.peer.replica.device),
                 "collective_bytes": self.comm.bytes_moved, "rows": vars(self.rows.stats).copy(),
                 "error": self.error}
 
@@ -86,7 +86,7 @@ class HostGroup:
     async def _send_state(self) -> None:
         """The leader's replica to every rank: at the start, and after the leader re-synced."""
         p = self.peer
-        blob = await p.work(p.trainer.state_blob, p.corpus_hash)
+        blob = await p.work(p.replica.state_blob)
         await p.work(self.comm.broadcast_ints, [CMD_STATE, p.book.step, len(blob)], 3)
         await p.work(self.comm.broadcast_bytes, blob, len(blob))
 
@@ -100,10 +100,10 @@ class HostGroup:
                 return
             if cmd == CMD_STATE:
                 blob = await p.work(self.comm.broadcast_bytes, None, size)
-                await p.work(p.trainer.load_state_blob, blob, p.corpus_hash)
+                await p.work(p.replica.load_state_blob, blob)
                 p.book.reset(step)
                 p.members.set_meta(step=step)
-                if p.trainer.sampler is None:
+                if p.replica.shard is None:
                     p.take_shard()
                     p._event("active", f"following {self.rank_ids[0][:8]} (rank 0) from step {step}")
                 continue
@@ -114,13 +114,15 @@ class HostGroup:
 
     async def _step(self, step: int) -> None:
         p = self.peer
+        await p.evaluate_first()
         clock = p.step_times
         clock.start()
-        batch, want = await p.work(p.trainer.sample)
+        batch, want = await p.sample_batch()
         rows, missing = await self.pull(want)
         clock.mark("rows")
-        stats, flat, row_grads = await p.work(p.trainer.compute, batch, want, rows)
+        stats, flat, row_grads = await p.work(p.replica.compute, batch, want, rows)
         clock.mark("compute")
+        p.check_finite(stats, step)
         await self.push(row_grads, missing, step)
         await p.work(self.comm.all_reduce_mean_, flat)
         enc = None
@@ -131,15 +133,17 @@ class HostGroup:
             p.record_contribution(stats, enc)
             clock.mark("send")
             await p.take_round(step)  # marks "round" and "apply"
-            await p.work(self.comm.broadcast_ints, [p.trainer.last_report.count], 1)
-            await p.work(self.comm.broadcast_, p.trainer.aggregate)
+            await p.work(self.comm.broadcast_ints, [p.last_report.count], 1)
+            await p.work(self.comm.broadcast_, p.aggregate)
         else:
             p.record_contribution(stats, None)
             clock.mark("send")
             (count,) = await p.work(self.comm.broadcast_ints, None, 1)
-            await p.work(self.comm.broadcast_, p.trainer.aggregate)
+            if p.aggregate is None:
+                p.aggregate = torch.zeros(p.replica.numel, dtype=torch.float32)
+            await p.work(self.comm.broadcast_, p.aggregate)
             clock.mark("round")
-            await p.work(p.trainer.apply_aggregate, step, count)
+            await p.work(p.replica.apply_aggregate, p.aggregate, step, count)
             clock.mark("apply")
             p.book.reset(step + 1)
         await p.after_step(step, stats.loss)
@@ -161,7 +165,7 @@ class HostGroup:
         except BaseException:
             http.cancel()
             raise
-        rows = {t: torch.zeros(len(ids), self.rows.dim) for t, ids in want.items()}
+        rows = {t: torch.zeros(len(ids), self.rows.dims[t]) for t, ids in want.items()}
 
         def place(ids_by_table: dict[str, np.ndarray], got_rows: dict[str, torch.Tensor]) -> None:
             for t, r in got_rows.items():

@@ -137,7 +137,9 @@ class Timeline:
             self.recent_losses = (self.recent_losses + [float(loss)])[-10:]
         p = peer.progress
         elapsed = time.monotonic() - p.started_at if p.started_at else 0.0
-        meta: dict[str, Any] = {"tps": int(p.tokens / elapsed) if elapsed > 0 else 0}
+        # throughput in the task's unit: tokens for a language model, else samples (the page says which)
+        done = p.tokens if p.tokens else p.samples
+        meta: dict[str, Any] = {"tps": int(done / elapsed) if elapsed > 0 else 0}
         if self.recent_losses:
             meta["loss"] = round(sum(self.recent_losses) / len(self.recent_losses), 4)
         peer.members.set_meta(**meta)

@@ -7,8 +7,8 @@ primary first, ties broken by peer id (ascending). The score is bit-exact uint64
 
     peer_hash(p)   = big-endian uint64 of sha256(utf8(p))[:8]
     table_key(t)   = big-endian uint64 of sha256(b"swarm-table\\0" + utf8(t))[:8]
-    slot_key(t, s) = hash_symbols(table_key(t), [s])         # swarm.model: mix64(mix64(tk) ^ ((s+1)*GOLDEN))
-    score(t, s, p) = mix64(slot_key(t, s) ^ peer_hash(p))    # mix64 = splitmix64 finalizer, swarm.model
+    slot_key(t, s) = hash_symbols(table_key(t), [s])         # swarm.hashing: mix64(mix64(tk) ^ ((s+1)*GOLDEN))
+    score(t, s, p) = mix64(slot_key(t, s) ^ peer_hash(p))    # mix64 = splitmix64 finalizer, swarm.hashing
 
 A join or leave changes the top-R of a slot only where the joiner/leaver is (or was) in it: about
 R/(N+1) of the slots gain the joiner as an owner, 1/(N+1) as primary. See docs/tables.md.
@@ -27,7 +27,7 @@ from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
-from swarm.model import hash_symbols, mix64
+from swarm.hashing import hash_symbols, mix64
 
 __all__ = ["TableSpec", "OwnershipMap", "Move", "moves", "view_id", "peer_hash", "table_key", "scores", "host_of"]
 

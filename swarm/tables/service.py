@@ -15,7 +15,7 @@ Rules (docs/tables.md):
 - Exactly once: a push is keyed by (sender:step, table); a repeated key is acknowledged and not
   applied again.
 - Hand-off: on a new map every slot this peer newly owns is fetched from an old owner that is
-  still a member (Move.sources); slots nobody can supply start as zero rows (counted as lost
+  still a member (Move.sources); slots nobody can supply start from their initial rows (counted as lost
   when they had owners before). Slots it no longer owns are kept `release_after` seconds so the
   new owners can fetch them, then dropped.
 """
@@ -37,7 +37,7 @@ from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot, ro
 MAX_GRAD = 1e15  # |row gradient| above this is refused: Adam squares it, and a flush sums a few
 
 
-FRESH = 0  # a hand-off offer meaning "this slot was never updated: create it as zero rows"
+FRESH = 0  # a hand-off offer meaning "this slot was never updated: create it from its initial rows"
 
 
 class Fenced(Exception):
@@ -74,7 +74,7 @@ class TableStats:
     replays_diverged: int = 0
     slots_fetched: int = 0
     slots_created: int = 0
-    slots_lost: int = 0  # slots that had owners, none of whom could hand them over: restarted from zeros
+    slots_lost: int = 0  # slots that had owners, none of whom could hand them over: restarted from initial rows
     slots_kept: int = 0  # ... and that we went on with the (possibly older) copy we held
     slots_released: int = 0
     view_changes: int = 0
@@ -89,10 +89,13 @@ class TableService:
     opt: RowOptConfig = field(default_factory=RowOptConfig)
     release_after: float = 30.0
     applied_keys_kept: int = 4096
+    # table -> (lo, hi) -> initial fp32 rows: where a fresh slot starts (the task's init); absent = zeros
+    inits: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_name = {s.name: s for s in self.specs}
-        self.shards = {s.name: TableShard(s, min(self.slots, s.rows), self.opt) for s in self.specs}
+        self.shards = {s.name: TableShard(s, min(self.slots, s.rows), self.opt, self.inits.get(s.name))
+                       for s in self.specs}
         self.map: OwnershipMap | None = None
         self.epoch = 0  # local count of view changes, for the status page
         self.moving: dict[tuple[str, int], Move] = {}  # slots we own but do not hold yet
@@ -114,7 +117,7 @@ class TableService:
     def set_members(self, members: Iterable[str], now: float) -> list[Move]:
         """Adopt the map of ``members``; returns the hand-offs this peer must fetch (to == self).
 
-        Slots that nobody can supply are created here as zero rows. Unchanged members: no-op."""
+        Slots that nobody can supply are created here from their initial rows. Unchanged members: no-op."""
         members = sorted(set(members))
         if self.map is not None and tuple(members) == self.map.members:
             return []

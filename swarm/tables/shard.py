@@ -59,13 +59,17 @@ def state_keys(kind: str) -> tuple[str, ...]:
 
 
 Layout = Union[OwnershipMap, int, Callable[[int], tuple[int, int]]]
+RowInit = Callable[[int, int], torch.Tensor]  # (lo, hi) -> the initial fp32 rows [hi - lo, dim]
 
 
 class TableShard:
     """The slots of ONE table that this peer holds (as primary or replica): rows + per-row optimizer state."""
 
-    def __init__(self, spec: TableSpec, layout: Layout, opt: RowOptConfig | None = None):
+    def __init__(self, spec: TableSpec, layout: Layout, opt: RowOptConfig | None = None,
+                 init: RowInit | None = None):
         self.spec = spec
+        # the rows a fresh slot starts from (the task's init, the same on every peer); None = zeros
+        self.init = init
         self.opt = opt if opt is not None else RowOptConfig()
         self.dim = spec.dim
         if isinstance(layout, OwnershipMap):
@@ -209,10 +213,15 @@ class TableShard:
             self.create_slot(s)
 
     def create_slot(self, slot: int) -> None:
-        """Hold `slot` with zero rows and zero state (overwrites it if already held)."""
+        """Hold `slot` with its initial rows (``init``, else zeros) and zero optimizer state
+        (overwrites it if already held)."""
         lo, hi = self._range(slot)
         n = hi - lo
-        self._place(slot, torch.zeros(n, self.dim), {k: torch.zeros(n, self.dim) for k in self.state_keys},
+        rows = torch.zeros(n, self.dim) if self.init is None else self.init(lo, hi)
+        if tuple(rows.shape) != (n, self.dim) or rows.dtype != torch.float32 or not all_finite(rows):
+            raise ShardError(f"table {self.spec.name!r}: the initial rows of slot {slot} are not finite fp32 "
+                             f"[{n}, {self.dim}]")
+        self._place(slot, rows, {k: torch.zeros(n, self.dim) for k in self.state_keys},
                     torch.zeros(n, dtype=torch.int64))
 
     def export_slot(self, slot: int) -> dict[str, torch.Tensor]:

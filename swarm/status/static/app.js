@@ -197,6 +197,14 @@ function intervalRatio(points) {
 // ------------------------------------------------------------------ rendering --
 let last = null;
 
+// "task bytelm v1 · 0.48M dense · tables ngram 65,536×128, value 65,536×128"
+function taskLine(t) {
+  const dense = t.dense_values >= 1e6 ? (t.dense_values / 1e6).toFixed(2) + "M" : fmtInt(t.dense_values);
+  const tables = (t.tables || []).map((x) => `${x.path} ${fmtInt(x.rows)}×${x.dim}`).join(", ");
+  return `· task ${t.name} v${t.version} · ${dense} dense` + (t.buffers ? ` (${fmtInt(t.buffers)} in buffers)` : "") +
+    (tables ? ` · tables ${tables}` : "");
+}
+
 function render(s) {
   last = s;
   document.title = `swarm · ${short(s.peer_id)} · step ${s.step}`;
@@ -212,8 +220,13 @@ function render(s) {
   $("c-step-sub").textContent = `this peer ${fmtInt(s.step)}` +
     (s.group ? ` · rank ${s.group.rank} of ${s.group.size} (${s.group.backend})` : s.active ? "" : " (idle)") +
     ` · epoch ${sw.epoch ?? 0}`;
+  const t = s.task;
+  const lm = !t || t.tokens_per_sample > 0;  // a language model counts tokens, other tasks samples
+  $("task").textContent = t ? taskLine(t) : "";
+  $("c-tps-label").textContent = lm ? "Tokens / s (swarm)" : "Samples / s (swarm)";
+  $("th-rate").textContent = lm ? "tok/s" : "samples/s";
   $("c-tps").textContent = fmtInt(sw.tokens_per_s);
-  $("c-tps-sub").textContent = `this peer ${fmtInt(s.tokens_per_s)}`;
+  $("c-tps-sub").textContent = `this peer ${fmtInt(lm ? s.tokens_per_s : s.samples_per_s)}`;
   $("c-loss").textContent = fmt(s.loss);
   $("c-loss-sub").textContent = `swarm mean ${fmt(sw.loss)}`;
   const val = (s.series && s.series.val_loss) || [];
