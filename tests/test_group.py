@@ -179,7 +179,7 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     for s in (*ranks, sp):
         assert s["steps"] == int(steps)
         hist = [v for _, v in s["val_history"]]
-        assert len(hist) == 3 and hist[-1] < hist[0], s["val_history"]
+        assert [k for k, _ in s["val_history"]][-3:] == [10, 20, 30] and hist[-1] < hist[0], s["val_history"]
     leader, follower = ranks
     assert leader["bytes_sent"] > 0 and follower["bytes_sent"] == 0  # one payload per group on the wire
     assert leader["param_sketch"] == follower["param_sketch"]  # the same aggregate, the same bits
@@ -243,3 +243,26 @@ def test_group_meta_from_the_network_is_read_defensively():
     assert _follower(member({"grank": 1})) and not _follower(member({"grank": 0}))
     for hostile in ("1", "x", 1.5, True, None):  # a peer may gossip any meta value: never a crash
         assert not _follower(member({"grank": hostile}))
+
+
+async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
+    """A user task (tests/user_task.py: two sharded tables, 16 and 8 wide, and BatchNorm buffers) on a
+    2-rank group plus one plain peer: one swarm, every replica bit-identical, the loss falls."""
+    common = ("--task", "tests/user_task.py:two_tables", "--steps", "20", "--eval-every", "10", "--min-peers", "2",
+              "--linger", "30", "--table-slots", "16")
+    port = free_port()
+    group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
+                  env={"OMP_NUM_THREADS": "1"}, small=False)
+    await group.port()
+    plain = spawn(*common, "--device", "cpu", "--join", f"127.0.0.1:{port}", "--join-timeout", "60", small=False)
+    cp, sp = await plain.finish(240)
+    assert cp == 0, plain.stderr_tail()
+    cg, _ = await group.finish(120)
+    assert cg == 0, group.stderr_tail()
+    ranks = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
+    assert len(ranks) == 2
+    for s in (*ranks, sp):
+        assert s["steps"] == 20 and s["val_history"][-1][1] < s["val_history"][0][1], s["val_history"]
+        assert s["param_sketch"] == sp["param_sketch"]
+    assert sum(s["group"]["rows"]["rows_pulled"] for s in ranks) > 0
+    assert sum(s["group"]["rows"]["grads_sent"] for s in ranks) > 0
