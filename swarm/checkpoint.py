@@ -7,7 +7,8 @@ the old one, so a crash mid-write leaves the previous checkpoint intact):
                         scheduler's state_dicts, the step and the task fingerprint
   residual.safetensors  the codec's error-feedback residual (Compressor.state_dict())
   tables.safetensors    every held slot: "<table>/<slot>/<rows|m|v|step>", metadata = table layout
-  checkpoint.json       written last: what the three files are (step, layout, peer, time)
+  checkpoint.json       written last: what the three files are (step, layout, peer, time) and the
+                        swarm settings they were trained under (a resumed peer adopts them)
 
 A checkpoint is read back whole and validated (format, task fingerprint, table layout, shapes,
 finite values) before anything of it is installed; a damaged one is a clear error, never a crash
@@ -27,6 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from . import settings
 from .statedict import safetensors_metadata
 
 DENSE, RESIDUAL, TABLES, META = "dense.safetensors", "residual.safetensors", "tables.safetensors", "checkpoint.json"
@@ -103,13 +105,32 @@ class Checkpoint:
 
 
 def save(directory: str | os.PathLike, *, dense: bytes, residual: dict[str, torch.Tensor], tables: bytes,
-         step: int, layout: str, peer_id: str) -> None:
+         step: int, layout: str, peer_id: str, settings: dict | None = None) -> None:
     d = Path(directory)
     write_atomic(d / DENSE, dense)
     write_atomic(d / RESIDUAL, st_save({k: v.contiguous() for k, v in residual.items()}))
     write_atomic(d / TABLES, tables)
-    meta = {"format": FORMAT, "step": step, "layout": layout, "peer_id": peer_id, "saved_at": time.time()}
+    meta = {"format": FORMAT, "step": step, "layout": layout, "peer_id": peer_id, "saved_at": time.time(),
+            "settings": settings}
     write_atomic(d / META, json.dumps(meta).encode())
+
+
+def read_settings(directory: str | os.PathLike) -> dict | None:
+    """The swarm settings a checkpoint was written under (swarm/settings.py), or None when there is no
+    checkpoint or it predates them; CheckpointError when they are damaged."""
+    path = Path(directory) / META
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text()).get("settings")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged: {e}") from None
+    if raw is None:
+        return None
+    try:
+        return settings.parse(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def load(directory: str | os.PathLike, layout: str) -> Checkpoint | None:

@@ -25,6 +25,12 @@ from .task import TaskError, UserCodeError, parse_task_args
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
 A flag on the command line wins over the environment.
 
+Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
+--msg-clip, --compression, --ratio, --warmup-steps, --min-payload, --clip-norm, --table-lr,
+--push-dtype, --max-staleness, --sketch-every) are fixed by the peer that starts the swarm and kept
+in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
+another value. Every other flag is this peer's own.
+
 Without --task, the built-in byte LM trains; its size is task args: --task-arg d_model=256
 --task-arg layers=4 (also heads, context, table_rows). --batch-size, --lr, --data, --table-rows and
 --eval-batches are the built-in task's and are refused with --task.
@@ -60,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
            "the built-in task's size: d_model, layers, heads, context, table_rows")
     a("--join-timeout", type=float, help=f"seconds to keep retrying an unreachable --join (default {d.join_timeout})")
     a("--steps", type=int, help="stop once the swarm reaches this step, evaluate, and print a JSON summary "
-                                "(default 0: train until stopped)")
+                                "(default 0: train until stopped); on a joiner it only says when it leaves")
+    a("--budget", type=int, help="swarm-wide: the step budget the learning-rate schedule runs on (default: the first "
+                                 "peer's --steps; a joiner adopts the swarm's)")
+    a("--sketch-every", type=int, help="swarm-wide: peers compare their replicas' sketches every this many steps and "
+                                       "one that differs from the majority re-syncs (0 = off; default 100)")
     a("--batch-size", type=int, help=f"built-in task: sequences of 128 bytes per step on this peer (default {d.batch_size})")
     a("--lr", type=float, help=f"built-in task: peak learning rate (default {d.lr})")
     a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
@@ -74,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data", help="built-in task: train on these text files (a file or a directory) instead of the Python "
                      "standard library")
     a("--threads", type=int, help=f"torch threads for this peer (default {d.threads})")
-    a("--min-peers", type=int, help="wait until this many peers are training before the first step (default 1)")
+    a("--min-peers", type=int, help="wait until this many contributing peers are there before the first step; a "
+                                    "torchrun host group counts as one (its leader contributes for its ranks); a "
+                                    "swarm that is already training is joined instead (default 1)")
     a("--table-rows", type=int, help=f"built-in task: rows of each hashed embedding table (default {d.table_rows})")
     a("--table-slots", type=int, help=f"slots (row ranges) per table, the unit of ownership (default {d.table_slots})")
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")

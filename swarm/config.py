@@ -36,6 +36,7 @@ class PeerConfig:
     task_args: Mapping[str, str] = field(default_factory=dict)  # --task-arg KEY=VALUE, converted by the task
     # training
     steps: int = 0  # 0 = train until stopped; else stop once the swarm step reaches this
+    budget: int = 0  # the swarm's step budget the lr schedule runs on; 0 = the first peer's --steps
     seed: int = 0  # the swarm seed: every peer builds the model under it
     # built-in task only (refused with a user task): sequences of 128 bytes per step, peak lr, text files
     batch_size: int = 16
@@ -65,6 +66,8 @@ class PeerConfig:
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
+    # replicas compare param_sketches every this many steps and re-sync one that differs (0 = off)
+    sketch_every: int = 100
     # rounds
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
     max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
@@ -104,6 +107,8 @@ class PeerConfig:
 
         need(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
         need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
+        need(self.budget >= 0, f"--budget must be >= 0, got {self.budget}")
+        need(self.sketch_every >= 0, f"--sketch-every must be >= 0, got {self.sketch_every}")
         need(1 <= self.batch_size <= 4096, f"--batch-size must be in 1..4096, got {self.batch_size}")
         need(0 < self.lr < 1, f"--lr must be in (0, 1), got {self.lr}")
         need(1 <= self.threads <= 256, f"--threads must be in 1..256, got {self.threads}")

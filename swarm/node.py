@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import checkpoint, gossip, robust, threads
+from . import checkpoint, divergence, gossip, robust, threads
+from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, parse_hostport
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
@@ -36,13 +37,12 @@ from .replica import MAX_NONFINITE, Replica, StepStats
 from .task import Task, TaskError, TaskTypeError, load_task
 from .tasks import default_task
 from .transport import ByteCounts, PeerUnreachable, Transport
-from .wire import PROTOCOL_VERSION
+from .wire import PROTOCOL_VERSION, unpack_map
 
-# steps between refreshes of the status page's parameter sketch: one costs about two training steps
-# of CPU for the default model (a fresh random projection of every dense parameter)
-SKETCH_EVERY = 100
 log = logging.getLogger("swarm")
 
+FIRST_CHECK = 10  # replicas also compare sketches at this step: when a racing join is likeliest to have split them
+TRAINING_GRACE = 3.0  # seconds a peer waiting for --min-peers gives the count before it joins a training swarm
 RESYNC_LAG = 8  # a peer this many steps behind the swarm re-syncs its state instead of catching up
 SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
 
@@ -62,6 +62,7 @@ class Progress:
     dense_equiv: int = 0  # fp32 bytes of the same gradients
     val_loss: float | None = None
     val_history: list[tuple[int, float]] = field(default_factory=list)
+    lr_history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5000))  # (step, lr after it)
     skipped_steps: int = 0
 
 
@@ -123,6 +124,10 @@ class Peer(MembershipShell):
         self.aggregate: torch.Tensor | None = None
         self.last_report: robust.Report | None = None
         self.robust_cfg = robust.RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
+        self.settings = swarm_settings.of(cfg)  # the swarm's, once agreed (start)
+        self.sketch_note: divergence.Note | None = None  # our last published sketch
+        self.diverged_from: str | None = None  # a peer of the majority to re-sync from (divergence.verdict)
+        self.resyncs: collections.Counter[str] = collections.Counter()  # re-syncs by cause: lag, diverged
         self.compressor: Compressor | None = None
         self.members: Membership | None = None
         self.addr = ""
@@ -190,15 +195,6 @@ class Peer(MembershipShell):
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
             # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
             self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
-        self.replica = await self.work(self._build_replica, device)
-        codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
-                                clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
-        codec_cfg.validate()
-        self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
-        self.tables = TableService(self.id, self.replica.table_specs, replicas=self.cfg.replicas,
-                                   slots=self.cfg.table_slots, opt=RowOptConfig(kind="adam", lr=self.replica.table_lr),
-                                   inits=self.replica.table_inits)
-
         from . import auth  # docs/security.md
         from .server import build_app  # the routes are a thin shell over this object
 
@@ -208,6 +204,15 @@ class Peer(MembershipShell):
         self.verifier = auth.Verifier(self.cfg.secret) if self.cfg.secret else None
         self.status_token = auth.status_token(self.cfg.secret) if self.cfg.secret and self.cfg.status_auth else None
         self.transport.signer = auth.Signer(self.cfg.secret) if self.cfg.secret else None
+        await self._agree_settings()
+        self.replica = await self.work(self._build_replica, device)
+        codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
+                                clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
+        codec_cfg.validate()
+        self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
+        self.tables = TableService(self.id, self.replica.table_specs, replicas=self.cfg.replicas,
+                                   slots=self.cfg.table_slots, opt=RowOptConfig(kind="adam", lr=self.replica.table_lr),
+                                   inits=self.replica.table_inits)
         if not self.cfg.secret:
             import sys
 
@@ -247,6 +252,65 @@ class Peer(MembershipShell):
         await self._update_map()
         self._spawn(self._membership_loop())
 
+    # -- the swarm's settings (swarm/settings.py) ------------------------------------------------
+    async def _agree_settings(self) -> None:
+        """Before the replica is built: take the swarm-wide settings this peer was not given from its
+        checkpoint, then from the swarm it joins; a given setting that differs is refused."""
+        cfg = self.cfg
+        mine = swarm_settings.given(cfg)
+        if cfg.checkpoint:
+            saved = await asyncio.to_thread(checkpoint.read_settings, cfg.checkpoint)
+            if saved is not None:
+                clash = swarm_settings.conflict(saved, mine)
+                if clash:
+                    raise checkpoint.CheckpointError(f"{cfg.checkpoint} was written by a swarm with other settings: "
+                                                     f"{clash.replace('this swarm uses', 'it uses')}")
+                if cfg.is_given("steps") and not cfg.is_given("budget"):
+                    saved = {**saved, "budget": cfg.budget}  # a resumed run's --steps extends its schedule
+                swarm_settings.adopt(cfg, saved)
+        if cfg.join:
+            info = await self._swarm_info(cfg.join)
+            clash = swarm_settings.conflict(info["settings"], mine)
+            if clash:
+                raise JoinError(clash)
+            swarm_settings.adopt(cfg, info["settings"])
+        self.settings = swarm_settings.of(cfg)
+        self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
+        self.robust_cfg = robust.RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
+
+    async def _swarm_info(self, join: str) -> dict:
+        """GET /v1/swarm of the join target (retried while it is unreachable or starting): its
+        protocol and settings. Something that is not a swarm peer is a JoinError saying so."""
+        host, port = parse_hostport(join, what="--join")
+        target = f"http://{_bracket(host)}:{port}"
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while True:
+            try:
+                data = await self.transport.request("GET", target + "/v1/swarm", timeout=5.0, kind="control")
+                break
+            except PeerUnreachable as e:
+                if e.foreign and e.status is not None:
+                    raise JoinError(not_a_peer(join, f"it answered GET /v1/swarm with HTTP {e.status}")) from None
+                if e.status is not None and 400 <= e.status < 500:
+                    raise JoinError(f"{join} refused to let us join: {e.reason}") from None
+                if time.monotonic() > deadline:
+                    raise JoinError(f"cannot reach {join} to join: {e.reason}") from None
+                await asyncio.sleep(0.5)
+        try:
+            info = unpack_map(data, 1 << 20)
+        except Exception:
+            info = None
+        if not isinstance(info, dict) or info.get("swarm") != "swarm-peer":
+            raise JoinError(not_a_peer(join, "its answer to GET /v1/swarm is not a swarm peer's"))
+        if info.get("protocol") != PROTOCOL_VERSION:
+            raise JoinError(f"{join} speaks swarm protocol {info.get('protocol')!r}, this peer {PROTOCOL_VERSION}: "
+                            "run the same swarm version on every peer")
+        try:
+            info["settings"] = swarm_settings.parse(info.get("settings"))
+        except ConfigError as e:
+            raise JoinError(f"{join}: {e}") from None
+        return info
+
     # -- checkpoints ---------------------------------------------------------------------------
     async def _read_checkpoint(self) -> "checkpoint.Checkpoint | None":
         """Read --checkpoint (if any) and hold its table slots as candidates for the hand-offs."""
@@ -266,6 +330,8 @@ class Peer(MembershipShell):
         training: its state is newer, and we sync it like any joiner."""
         if self.started:
             self._event("checkpoint", "the swarm is training: its state is newer than our checkpoint")
+            self.out(f"not resuming from the checkpoint in {self.cfg.checkpoint} (step {ck.step}): the swarm is "
+                     "training, so this peer syncs its newer state")
             return
         try:
             step = await self.work(self.replica.load_state_blob, ck.dense)
@@ -275,6 +341,7 @@ class Peer(MembershipShell):
         self.book.reset(step)
         self.members.set_meta(step=step)
         self._event("resumed", f"dense state of step {step} from {self.cfg.checkpoint}")
+        self.out(f"resumed from the checkpoint in {self.cfg.checkpoint} at step {step}")
 
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,
@@ -283,7 +350,8 @@ class Peer(MembershipShell):
         residual = await self.work(self.compressor.state_dict)
         tables = await self.table_work(checkpoint.tables_blob, self.tables.shards, self.table_layout())
         await asyncio.to_thread(checkpoint.save, self.cfg.checkpoint, dense=dense, residual=residual,
-                                tables=tables, step=self.replica.step, layout=self.table_layout(), peer_id=self.id)
+                                tables=tables, step=self.replica.step, layout=self.table_layout(), peer_id=self.id,
+                                settings=self.settings)
         self._last_checkpoint = time.monotonic()
 
     async def _form_group(self, comm: Comm, join: str) -> str:
@@ -312,6 +380,8 @@ class Peer(MembershipShell):
                 reply = await self.transport.call(target, "/v1/join", body, timeout=5.0)
                 break
             except PeerUnreachable as e:
+                if e.foreign and e.status is not None:
+                    raise JoinError(not_a_peer(join, f"it answered POST /v1/join with HTTP {e.status}")) from None
                 if e.status is not None and 400 <= e.status < 500:
                     raise JoinError(f"{target} refused to let us join: {e.reason}") from None
                 if time.monotonic() > deadline:
@@ -332,6 +402,7 @@ class Peer(MembershipShell):
         return {
             "protocol": PROTOCOL_VERSION,
             "task": self.replica.fingerprint,
+            "settings": self.settings,
             "tables": self.table_layout(),
             "membership": self.members.join_request(),
         }
@@ -352,7 +423,15 @@ class Peer(MembershipShell):
             if m.meta.get("active") and int(m.meta.get("active_from", 0)) <= step:
                 exp.add(pid)
         live = set(self.members.live_ids(include_self=False))
-        exp |= self.book.active_senders(step, window=2) & live
+        for pid in self.book.active_senders(step, window=2) & live:
+            m = self.members.get(pid)
+            until = m.meta.get("active_until") if m is not None else None
+            start = m.meta.get("active_from") if m is not None else None
+            if m is not None and m.meta.get("active") == 0 and type(until) is int and step > until:
+                continue  # it stopped contributing after round `until` (a re-sync): nothing more is coming
+            if m is not None and m.meta.get("active") and type(start) is int and start > step:
+                continue  # it (re)joined: it contributes from round `start` on, not before
+            exp.add(pid)
         exp -= self.robust.banned_ids(time.monotonic())  # banned peers are not waited for
         if self.active:
             exp.add(self.id)
@@ -459,14 +538,32 @@ class Peer(MembershipShell):
             await self._sync_state()
         else:
             self._announce(0)
+            seen_training: float | None = None
             while not self._stop.is_set():
-                n = 1 + sum(1 for pid in self.members.alive_ids(include_self=False)
-                            if (m := self.members.get(pid)) and m.meta.get("active"))
-                if n >= self.cfg.min_peers:
+                # contributors as the status page counts them: a host group is one (its leader)
+                others = [m for pid in self.members.alive_ids(include_self=False)
+                          if (m := self.members.get(pid)) and m.meta.get("active")]
+                if 1 + len(others) >= self.cfg.min_peers:
+                    break
+                training = [m for m in others if m.meta.get("run") == 1 and type(m.meta.get("step")) is int]
+                if training and seen_training is None:
+                    seen_training = time.monotonic()
+                # A peer that counted enough peers starts a moment before the gossip shows them all to
+                # us: at step 0 give the count a grace period; past step 0 the swarm is training.
+                if training and (max(m.meta["step"] for m in training) > 0
+                                 or time.monotonic() - seen_training > TRAINING_GRACE):
+                    # the swarm went ahead without us: join its training, do not split it
+                    step = max(m.meta["step"] for m in training)
+                    self._event("min-peers", f"the swarm is training (step {step}) with fewer than "
+                                             f"{self.cfg.min_peers} peers: joining it instead of waiting")
+                    self.stop_contributing(last=-1)
+                    self.book.reset(step)
+                    await self._sync_state()
                     break
                 await asyncio.sleep(0.1)
         self.started = True
         self.active = True
+        self.members.set_meta(run=1)  # training: a peer waiting for --min-peers joins us instead
 
     def _shard(self) -> tuple[int, int, int]:
         """(index, count, seed) of our share of the data: one share per live member."""
@@ -493,8 +590,9 @@ class Peer(MembershipShell):
         self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
         self._event("active", f"contributing from step {from_step}")
 
-    async def _sync_state(self) -> None:
-        """Download parameters and optimizer state from a live peer, then replay buffered rounds."""
+    async def _sync_state(self, donor_id: str | None = None) -> None:
+        """Download parameters and optimizer state from a live peer (``donor_id`` if it is one), then
+        replay buffered rounds."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.sync_timeout and not self._stop.is_set():
             others = {pid: int(m.meta.get("step", 0)) for pid in self.members.alive_ids(include_self=False)
@@ -502,7 +600,7 @@ class Peer(MembershipShell):
             if others and all(self.book.last_step_from.get(p, -1) >= s - 2 for p, s in others.items()):
                 break  # every contributor's current traffic reaches us: no round after the snapshot is lost
             await asyncio.sleep(0.1)
-        donor = self._pick_donor()
+        donor = self._pick_donor(donor_id)
         limit = self.state_limit()
         try:
             blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
@@ -529,7 +627,11 @@ class Peer(MembershipShell):
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
 
-    def _pick_donor(self) -> Member:
+    def _pick_donor(self, prefer: str | None = None) -> Member:
+        if prefer is not None and prefer in self.members.alive_ids(include_self=False):
+            m = self.members.get(prefer)
+            if m is not None and m.meta.get("active"):
+                return m
         best: Member | None = None
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
@@ -573,14 +675,33 @@ class Peer(MembershipShell):
                  if (m := self.members.get(pid)) and m.meta.get("active")]
         return max([a - self.book.step for a in ahead] + [0])
 
+    def stop_contributing(self, last: int) -> None:
+        """Tell every peer at once that our last payload was for round ``last``: no round after it
+        waits for us (the gossip alone would take a while to reach them all)."""
+        self.members.set_meta(active=0, active_until=last)
+        for pid in self.members.alive_ids(include_self=False):
+            m = self.members.get(pid)
+            if m is not None:
+                self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+
+    def must_resync(self) -> bool:
+        """Fallen too far behind the swarm, or our replica differs from the majority's."""
+        return self._behind() > RESYNC_LAG or self.diverged_from is not None
+
     async def _resync(self) -> None:
-        """We fell behind (stalled, stopped, cut off): stop contributing, sync state like a joiner."""
-        self._event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
+        """We fell behind (stalled, stopped, cut off) or our replica diverged: stop contributing,
+        sync state like a joiner (from a peer of the majority when we diverged)."""
+        donor, self.diverged_from = self.diverged_from, None
+        cause = "diverged" if donor is not None else "lag"
+        self.resyncs[cause] += 1
+        if donor is None:
+            self._event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
         self.active = False
-        self.members.set_meta(active=0)
+        self.sketch_note = None
+        self.stop_contributing(last=self.book.step - 1)
         self.book.reset(self.book.step)
         try:
-            await self._sync_state()
+            await self._sync_state(donor)
         except JoinError as e:
             self._event("resync-failed", str(e))
         self.active = True
@@ -590,7 +711,7 @@ class Peer(MembershipShell):
         await self.evaluate_first()
         prefetched: asyncio.Future | None = None
         while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
-            if self._behind() > RESYNC_LAG:
+            if self.must_resync():
                 if prefetched is not None:
                     prefetched.cancel()
                     await asyncio.gather(prefetched, return_exceptions=True)
@@ -687,8 +808,10 @@ class Peer(MembershipShell):
         """After a step was applied: tell the swarm, keep the status series, evaluate, checkpoint, print."""
         self.members.set_meta(step=self.book.step)
         self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
-        if self.book.step % SKETCH_EVERY == 0:
-            self.last_sketch = await self.work(self.replica.sketch)
+        if self.cfg.sketch_every and (self.book.step % self.cfg.sketch_every == 0 or self.book.step == FIRST_CHECK):
+            await self.publish_sketch()
+        self.check_divergence()
+        self.progress.lr_history.append((self.book.step, self.replica.lr()))
         if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
             await self._evaluate_now()
         if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
@@ -696,6 +819,37 @@ class Peer(MembershipShell):
         if time.monotonic() - self._last_print >= self.cfg.progress_interval:
             self._last_print = time.monotonic()
             self.out(self.progress_line())
+
+    async def publish_sketch(self) -> None:
+        """The replica's sketch, for the status page and, in our membership metadata, for the other
+        peers to compare theirs with (swarm/divergence.py)."""
+        sketch = self.last_sketch = await self.work(self.replica.sketch)
+        meta = divergence.meta_of(self.book.step, sketch, self.replica.device.type)
+        self.members.set_meta(**meta)
+        self.sketch_note = divergence.note_of(self.id, {**meta, "active_from": self.members.get(self.id).meta.get(
+            "active_from", 0)})
+
+    def check_divergence(self) -> None:
+        """Compare our last sketch with the other contributors' of the same step; when ours is out of
+        line, note a peer of the majority to re-sync from (the loop does it before its next step)."""
+        me = self.sketch_note
+        if me is None or self.diverged_from is not None or not self.active:
+            return
+        notes, contributors = [], 0
+        for pid in self.members.alive_ids(include_self=False):
+            m = self.members.get(pid)
+            if m is not None and m.meta.get("active") and not _follower(m):
+                contributors += 1
+                n = divergence.note_of(pid, m.meta)
+                if n is not None and n.step == me.step:
+                    notes.append(n)
+        if not notes or len(notes) < contributors:
+            return  # judge only on every contributor's note of this step (a partial count can mislead)
+        donor = divergence.verdict(me, notes)
+        if donor is not None:
+            self.diverged_from = donor
+            self._event("diverged", f"our replica's sketch at step {me.step} differs from the majority's "
+                                    f"({len(notes)} other peers compared): re-syncing from {donor[:8]}")
 
     async def evaluate_first(self) -> None:
         """With --eval-every, the held-out curve starts where this peer's training does."""
@@ -824,6 +978,9 @@ class Peer(MembershipShell):
             "table_stats": vars(self.tables.stats).copy() if self.tables else None,
             "param_sketch": sketch,
             "val_history": [[s, round(v, 5)] for s, v in p.val_history],
+            "lr_history": [[s, lr] for s, lr in p.lr_history],
+            "settings": dict(self.settings),
+            "resyncs": dict(self.resyncs),
             "group": self.group.status() if self.group is not None else None,
         }
 
@@ -869,6 +1026,9 @@ class Peer(MembershipShell):
             "dropped_sends": self.dropped_sends,
             "events": list(self.events)[-50:],
             "param_sketch": self.last_sketch,
+            "sketch_step": self.sketch_note.step if self.sketch_note is not None else None,
+            "settings": dict(self.settings),
+            "resyncs": dict(self.resyncs),
             "tables": self.tables.status() if self.tables is not None else None,
             "rows": self.table_client.status() if self.table_client is not None else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
@@ -887,6 +1047,10 @@ def _follower(m: Member) -> bool:
     """A rank of a host group other than its leader (meta from the network: any type may come)."""
     rank = m.meta.get("grank")
     return type(rank) is int and rank > 0
+
+
+def not_a_peer(join: str, why: str) -> str:
+    return f"--join {join} is not a swarm peer: {why} (check the host and port)"
 
 
 def _bracket(host: str) -> str:

@@ -47,7 +47,8 @@ _BUILD = threading.Lock()  # model construction seeds torch's global generator: 
 
 _WHAT = {"name": "task name", "version": "task version",
          "model": "model (the names, shapes and dtypes of its parameters and buffers)",
-         "tables": "tables (name:rows x width)", "seed": "seed (--seed)", "data": "data (the built-in corpus or --data)"}
+         "tables": "tables (name:rows x width)", "seed": "seed (--seed)", "data": "data (the built-in corpus or --data)",
+         "optimizer": "optimizer"}
 
 
 def fingerprint_differs(ours: dict[str, str], theirs: Any) -> str | None:
@@ -57,6 +58,16 @@ def fingerprint_differs(ours: dict[str, str], theirs: Any) -> str | None:
         return "join message lacks the task fingerprint (a peer of an older swarm version?)"
     for key, label in _WHAT.items():
         a, b = ours.get(key), theirs.get(key)
+        if a != b and key == "optimizer" and isinstance(a, str) and isinstance(b, str):
+            ta, tb = a.split(" "), b.split(" ")
+            if ta[0] != tb[0]:
+                return f"task fingerprint differs: optimizer: this swarm uses {ta[0]}, the joiner {tb[0][:40]}"
+            da = dict(t.split("=", 1) for t in ta[1:] if "=" in t)
+            db = dict(t.split("=", 1) for t in tb[1:] if "=" in t)
+            for k in sorted(set(da) | set(db)):
+                if da.get(k) != db.get(k):
+                    return (f"task fingerprint differs: optimizer {ta[0]} hyperparameter {k[:40]}: this swarm has "
+                            f"{da.get(k)}, the joiner {str(db.get(k))[:40]}")
         if a != b:
             show = (lambda v: repr(v)[:80])
             return f"task fingerprint differs: {label}: this swarm has {show(a)}, the joiner {show(b)}"
@@ -168,9 +179,23 @@ class Replica:
         self._batches: Iterator | None = None
         self.nonfinite = 0  # steps whose loss was not finite
         self.nonfinite_run = 0  # ... in a row, now
+        self.optimizer_desc = self._describe_optimizer()
         self.fingerprint = self._fingerprint()
 
     # -- identity ---------------------------------------------------------------------------
+    def _describe_optimizer(self) -> str:
+        """The optimizer's class and the non-tensor hyperparameters of its param groups, as they are
+        when it is built ("AdamW g0.lr=0.001 g0.betas=(0.9,0.999) ..."; a scheduler's initial_lr
+        stands for lr): what a joiner's optimizer must match."""
+        parts = [type(self.opt).__qualname__]
+        for i, g in enumerate(self.opt.param_groups):
+            for k in sorted(g):
+                if k in ("params", "initial_lr") or isinstance(g[k], torch.Tensor):
+                    continue
+                v = g.get("initial_lr", g[k]) if k == "lr" else g[k]
+                parts.append(f"g{i}.{k}={repr(v).replace(' ', '')}")
+        return " ".join(parts)
+
     def _fingerprint(self) -> dict[str, str]:
         """What every peer of a swarm must agree on (compared at join, docs/task.md)."""
         desc = [[n, list(t.shape), str(t.dtype).removeprefix("torch."), kind]
@@ -180,7 +205,7 @@ class Replica:
         model = hashlib.sha256(json.dumps(desc, separators=(",", ":")).encode()).hexdigest()[:16]
         tables = ",".join(f"{s.name}:{s.rows}x{s.dim}" for s in self.table_specs)
         return {"name": self.task.name, "version": self.task.version, "model": model, "tables": tables,
-                "seed": str(self.seed), "data": self.task.data_id}
+                "seed": str(self.seed), "data": self.task.data_id, "optimizer": self.optimizer_desc}
 
     @property
     def numel(self) -> int:

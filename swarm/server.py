@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import auth, gossip, robust
+from . import auth, gossip, robust, settings
+from .config import ConfigError
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .codec.config import MAX_SPARSE_RATIO
 from .membership import MembershipError
@@ -138,6 +139,14 @@ async def join(request: web.Request) -> web.Response:
     differs = task_differs(peer.replica.fingerprint, msg.get("task"))
     if differs:
         raise BadRequest(differs, 409, code="task")
+    theirs = msg.get("settings")
+    try:
+        theirs = settings.parse(theirs)
+    except ConfigError as e:
+        raise BadRequest(f"join message: {e}", 409, code="settings") from None
+    clash = settings.conflict(peer.settings, theirs)
+    if clash:
+        raise BadRequest(clash.replace("this peer gives", "the joiner gives"), 409, code="settings")
     if msg.get("tables") != peer.table_layout():
         raise BadRequest(f"table layout differs: this swarm uses {peer.table_layout()} "
                          "(check --table-rows, --table-slots and --replicas)", 409)
@@ -146,6 +155,15 @@ async def join(request: web.Request) -> web.Response:
     reply = peer.members.handle_join(msg["membership"], time.monotonic())
     return msgpack_response({"membership": reply, "step": peer.book.step,
                              # a peer resumed from a checkpoint has state a joiner must sync, even before it trains
+                             "started": peer.started or peer.book.step > 0})
+
+
+async def swarm_info(request: web.Request) -> web.Response:
+    """What a peer about to join must know before it builds its replica: the protocol, the swarm's
+    settings (swarm/settings.py) and the task fingerprint."""
+    peer = _peer(request)
+    return msgpack_response({"swarm": "swarm-peer", "protocol": PROTOCOL_VERSION, "settings": peer.settings,
+                             "task": peer.replica.fingerprint, "step": peer.book.step,
                              "started": peer.started or peer.book.step > 0})
 
 
@@ -241,6 +259,7 @@ def build_app(peer: "Peer") -> web.Application:
     app[PEER] = peer
     app[VERIFIER] = getattr(peer, "verifier", None)
     app[STATUS_TOKEN] = getattr(peer, "status_token", None)
+    app.router.add_get("/v1/swarm", swarm_info)
     app.router.add_post("/v1/join", join)
     app.router.add_post("/v1/ping", ping)
     app.router.add_post("/v1/ping-req", ping_req)

@@ -20,12 +20,14 @@ from .wire import MSGPACK_TYPE, pack, unpack_map
 class PeerUnreachable(Exception):
     """A call to another peer failed (refused, timed out, or answered with an error status)."""
 
-    def __init__(self, addr: str, reason: str, status: int | None = None, code: str = ""):
+    def __init__(self, addr: str, reason: str, status: int | None = None, code: str = "", foreign: bool = False):
         super().__init__(f"{addr}: {reason}")
         self.addr = addr
         self.reason = reason
         self.status = status
         self.code = code  # the peer's machine-readable refusal code, if it sent one
+        # the error reply was not a swarm peer's ({"error": ...} JSON): another server answered
+        self.foreign = foreign
 
 
 @dataclass
@@ -87,8 +89,8 @@ class Transport:
                         raise PeerUnreachable(addr, f"reply over {reply_limit} bytes", r.status)
                 self.counts.add_received(reply_kind or kind, len(data))
                 if r.status >= 400:
-                    reason, code = _reason(data)
-                    raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code)
+                    reason, code, ours = _reason(data)
+                    raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code, foreign=not ours)
                 return bytes(data)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             # ValueError: an address no URL parser accepts (a member record is remote input)
@@ -105,12 +107,14 @@ class Transport:
             raise PeerUnreachable(addr, f"bad reply: {e}") from None
 
 
-def _reason(data: bytes) -> tuple[str, str]:
-    """(reason, code) of a JSON error reply; the raw text and no code for anything else."""
+def _reason(data: bytes) -> tuple[str, str, bool]:
+    """(reason, code, True) of a swarm peer's JSON error reply; the raw text's first line, no code and
+    False for anything else (another server's error page)."""
     try:
         obj = json.loads(data[:4096])
     except ValueError:
-        return data[:200].decode("utf-8", "replace"), ""
-    if not isinstance(obj, dict):
-        return "", ""
-    return str(obj.get("error", ""))[:300], str(obj.get("code", ""))[:40]
+        obj = None
+    if not isinstance(obj, dict) or "error" not in obj:
+        first = data[:200].decode("utf-8", "replace").strip().splitlines()
+        return (first[0][:120] if first else ""), "", False
+    return str(obj.get("error", ""))[:300], str(obj.get("code", ""))[:40], True

@@ -92,7 +92,7 @@ class Harness:
         enc = comp.compress(torch.randn(p.replica.manifest.numel, generator=torch.Generator().manual_seed(1)), 0)
         octet = {"Content-Type": "application/octet-stream"}
         return {
-            "/v1/join": (msgpack.packb({"protocol": 2, "task": {**p.replica.fingerprint, "data": "0" * 64},
+            "/v1/join": (msgpack.packb({"protocol": 2, "task": {**p.replica.fingerprint, "data": "0" * 64}, "settings": p.settings,
                                         "tables": p.table_layout(), "membership": stranger}), {}),
             "/v1/ping": (msgpack.packb({**stranger, "type": "ping", "target": "0" * 16, "updates": []}), {}),
             "/v1/ping-req": (msgpack.packb({**hdr, "type": "ping_req", "target": "0" * 16,

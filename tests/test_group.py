@@ -266,3 +266,23 @@ async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
         assert s["param_sketch"] == sp["param_sketch"]
     assert sum(s["group"]["rows"]["rows_pulled"] for s in ranks) > 0
     assert sum(s["group"]["rows"]["grads_sent"] for s in ranks) > 0
+
+
+async def test_a_group_waiting_for_min_peers_joins_the_plain_peer_that_trains_instead_of_splitting(spawn):
+    """Issue 16's split: a 2-rank group started with --min-peers 3 (a group counts as one contributor)
+    and a plain peer that joins it without the flag and starts training: the group joins that
+    training instead of waiting, and all three end with one model."""
+    port = free_port()
+    group = spawn("--steps", "20", "--min-peers", "3", "--linger", "30", "--port", str(port), "--backend", BACKEND,
+                  "--device", DEVICE, launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+    await group.port()
+    plain = spawn("--steps", "20", "--linger", "30", "--device", "cpu", "--join", f"127.0.0.1:{port}",
+                  "--join-timeout", "60")
+    cp, sp = await plain.finish(240)
+    assert cp == 0, plain.stderr_tail()
+    cg, _ = await group.finish(120)
+    assert cg == 0, group.stderr_tail()
+    ranks = group.summaries()
+    assert len(ranks) == 2
+    for s in ranks:
+        assert s["steps"] == 20 and s["param_sketch"] == sp["param_sketch"]

@@ -77,11 +77,15 @@ async def test_control_routes_refuse_garbage(peer, route):
 async def test_join_refuses_another_task_or_protocol(peer):
     other = Membership("feedface00000000", "http://127.0.0.1:9", time.monotonic())
     fp = peer.replica.fingerprint
-    good = {"protocol": PROTOCOL_VERSION, "task": fp, "tables": peer.table_layout(), "membership": other.join_request()}
+    good = {"protocol": PROTOCOL_VERSION, "task": fp, "settings": peer.settings, "tables": peer.table_layout(),
+            "membership": other.join_request()}
     for key, value, needle in [("task", {**fp, "data": "0" * 64}, "data"), ("task", {**fp, "model": "0" * 16}, "model"),
                                ("task", {**fp, "seed": "7"}, "seed"), ("task", {**fp, "name": "other"}, "task name"),
                                ("task", {**fp, "version": "9"}, "version"), ("task", "x", "fingerprint"),
-                               ("protocol", 99, "protocol"), ("tables", "ngram:8x8/slots=1/replicas=9", "layout")]:
+                               ("protocol", 99, "protocol"), ("tables", "ngram:8x8/slots=1/replicas=9", "layout"),
+                               ("settings", {**peer.settings, "seed": 9}, "--seed is a swarm-wide setting"),
+                               ("settings", {**peer.settings, "ratio": "x"}, "malformed"),
+                               ("settings", None, "malformed")]:
         status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
         assert status == 409 and needle in reply["error"], reply
     assert peer.members.get("feedface00000000") is None

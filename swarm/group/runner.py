@@ -26,7 +26,6 @@ import torch
 
 from ..tables.http import replicate
 from .comm import Comm
-from ..node import RESYNC_LAG
 from .rows import GroupRows, merge_parts
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ class HostGroup:
         await p._until_ready()
         await self._send_state()
         while not p._stop.is_set() and (p.cfg.steps == 0 or p.book.step < p.cfg.steps):
-            if p._behind() > RESYNC_LAG:
+            if p.must_resync():
                 await p._resync()
                 await self._send_state()
                 continue

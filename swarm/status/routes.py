@@ -133,6 +133,13 @@ class PeerCollector(Collector):
             yield _gauge("swarm_val_loss", "Last held-out loss this peer evaluated.", prog.val_loss)
         yield _counter("swarm_tokens", "Tokens this peer trained on.", prog.tokens)
         yield _counter("swarm_steps_contributed", "Steps this peer computed a gradient for.", prog.contributed)
+        yield _counter("swarm_samples", "Samples this peer trained on.", prog.samples)
+        resyncs = CounterMetricFamily("swarm_resyncs", "State re-syncs of this peer's replica, by cause (lag: "
+                                      "fell behind; diverged: its sketch differed from the majority's).",
+                                      labels=["cause"])
+        for cause in ("lag", "diverged"):
+            resyncs.add_metric([cause], p.resyncs.get(cause, 0))
+        yield resyncs
         sent = CounterMetricFamily("swarm_bytes_sent", "Bytes sent, by kind.", labels=["kind"])
         for kind, n in sorted(p.counts.sent.items()):
             sent.add_metric([kind], n)

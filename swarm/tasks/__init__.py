@@ -20,14 +20,14 @@ def default_task(cfg: "PeerConfig") -> Task:
     from . import bytelm
 
     fixed = {arg: getattr(cfg, flag) for flag, arg in BUILTIN_FLAGS.items()}
-    fixed["steps"] = cfg.steps  # the schedule's cosine ends at --steps
+    fixed["steps"] = cfg.budget or cfg.steps  # the schedule's cosine ends at the swarm's budget
     for flag, arg in BUILTIN_FLAGS.items():
         if arg in cfg.task_args:
             if flag in cfg.given:
                 raise TaskError(f"--{flag.replace('_', '-')} and --task-arg {arg} both set {arg}: give one")
             del fixed[arg]
     if "steps" in cfg.task_args:
-        raise TaskError("--task-arg steps: the built-in task's schedule follows --steps")
+        raise TaskError("--task-arg steps: the built-in task's schedule follows the swarm's budget (--budget)")
     try:
         return call_with_args(bytelm.task, cfg.task_args, "the built-in task", fixed)
     except UserCodeError as e:  # its own checks (a size out of range, --data unusable): one line

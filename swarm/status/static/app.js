@@ -242,6 +242,7 @@ function render(s) {
 
   renderCharts(s);
   renderPeers(s, members);
+  renderSettings(s);
   renderTables(s.tables);
   renderLog(s.log || []);
 }
@@ -304,6 +305,17 @@ function renderPeers(s, members) {
     frag.append(tr);
   }
   tbody.replaceChildren(frag);
+}
+
+// "seed 0 · budget 300 · lr 0.003 · ..." and how often this peer's replica was re-synced
+function renderSettings(s) {
+  const st = s.settings || {};
+  $("settings").textContent = Object.keys(st).map((k) => `${k} ${st[k]}`).join(" · ") || "–";
+  const r = s.resyncs || {};
+  const n = (r.lag || 0) + (r.diverged || 0);
+  $("settings-hint").textContent = "agreed at join: every peer trains with these" +
+    (s.sketch_step != null ? ` · replicas compared at step ${fmtInt(s.sketch_step)}` : "") +
+    (n ? ` · re-synced ${r.diverged || 0}× (diverged), ${r.lag || 0}× (behind)` : "");
 }
 
 function renderTables(t) {
