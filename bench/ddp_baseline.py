@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from datetime import timedelta
@@ -40,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
+from swarm.tasks.bytelm import lr_at  # noqa: E402  (the built-in task's schedule, re-exported for the Hivemind baseline)
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.tasks.bytelm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
 
@@ -58,19 +58,9 @@ class SparseTableLM(SwarmLM):
             setattr(self, name, new)
 
 
-def lr_at(step: int, lr: float, steps: int, warm: int = 20) -> float:
-    """swarm.tasks.bytelm.lr_at: linear warm-up over 20 steps, cosine to 10% at ``steps``."""
-    if step < warm:
-        return lr * (step + 1) / warm
-    if steps <= warm:
-        return lr
-    t = min(1.0, (step - warm) / max(1, steps - warm))
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def peer_seed(seed: int, peer_id: str) -> int:
-    """The data seed a swarm peer with this id uses (swarm.node.Peer._announce)."""
-    return seed * 7919 + int.from_bytes(peer_id.encode()[:8], "little")
+    """The data seed a swarm peer with this id uses (swarm.node.Peer._shard)."""
+    return (seed * 7919 + int.from_bytes(peer_id.encode()[:8], "little")) % (1 << 32)
 
 
 def main() -> None:

@@ -281,21 +281,8 @@ class Peer(MembershipShell):
     async def _swarm_info(self, join: str) -> dict:
         """GET /v1/swarm of the join target (retried while it is unreachable or starting): its
         protocol and settings. Something that is not a swarm peer is a JoinError saying so."""
-        host, port = parse_hostport(join, what="--join")
-        target = f"http://{_bracket(host)}:{port}"
-        deadline = time.monotonic() + self.cfg.join_timeout
-        while True:
-            try:
-                data = await self.transport.request("GET", target + "/v1/swarm", timeout=5.0, kind="control")
-                break
-            except PeerUnreachable as e:
-                if e.foreign and e.status is not None:
-                    raise JoinError(not_a_peer(join, f"it answered GET /v1/swarm with HTTP {e.status}")) from None
-                if e.status is not None and 400 <= e.status < 500:
-                    raise JoinError(f"{join} refused to let us join: {e.reason}") from None
-                if time.monotonic() > deadline:
-                    raise JoinError(f"cannot reach {join} to join: {e.reason}") from None
-                await asyncio.sleep(0.5)
+        data = await self._ask(join, "GET /v1/swarm", lambda target: self.transport.request(
+            "GET", target + "/v1/swarm", timeout=5.0, kind="control"))
         try:
             info = unpack_map(data, 1 << 20)
         except Exception:
@@ -370,23 +357,30 @@ class Peer(MembershipShell):
             join = addrs[0][len("http://"):]
         return join
 
-    async def _join(self, join: str) -> None:
+    async def _ask(self, join: str, what: str, call: Callable[[str], Any]) -> Any:
+        """``call(target)`` on the --join target, retried while it is unreachable or starting (up to
+        --join-timeout); a refusal, or an answer that is not a swarm peer's, is a JoinError saying so."""
         host, port = parse_hostport(join, what="--join")
         target = f"http://{_bracket(host)}:{port}"
-        body = self._hello()
         deadline = time.monotonic() + self.cfg.join_timeout
         while True:
             try:
-                reply = await self.transport.call(target, "/v1/join", body, timeout=5.0)
-                break
+                return await call(target)
             except PeerUnreachable as e:
                 if e.foreign and e.status is not None:
-                    raise JoinError(not_a_peer(join, f"it answered POST /v1/join with HTTP {e.status}")) from None
+                    raise JoinError(not_a_peer(join, f"it answered {what} with HTTP {e.status}")) from None
                 if e.status is not None and 400 <= e.status < 500:
                     raise JoinError(f"{target} refused to let us join: {e.reason}") from None
                 if time.monotonic() > deadline:
                     raise JoinError(f"cannot reach {target} to join: {e.reason}") from None
                 await asyncio.sleep(0.5)
+
+    async def _join(self, join: str) -> None:
+        host, port = parse_hostport(join, what="--join")
+        target = f"http://{_bracket(host)}:{port}"
+        body = self._hello()
+        reply = await self._ask(join, "POST /v1/join",
+                                lambda t: self.transport.call(t, "/v1/join", body, timeout=5.0))
         try:
             self.members.handle_join_reply(reply.get("membership"), time.monotonic())
             swarm_step, started = int(reply["step"]), bool(reply["started"])
