@@ -206,6 +206,7 @@ class Peer(MembershipShell):
         self.transport.signer = auth.Signer(self.cfg.secret) if self.cfg.secret else None
         await self._agree_settings()
         self.replica = await self.work(self._build_replica, device)
+        self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
                                 clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
         codec_cfg.validate()
@@ -776,8 +777,6 @@ class Peer(MembershipShell):
         """Combine a round's payloads by the swarm's rule into ``aggregate`` and step the replica on
         it (training thread). Returns how many contributions it combined; ``last_report`` keeps
         their norms and verdicts (the scoreboard reads them)."""
-        if self.aggregate is None or self.aggregate.numel() != self.replica.numel:
-            self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
         self.aggregate.zero_()
         self.last_report = gossip.aggregate_report(self.aggregate, result, self.robust_cfg)
         self.replica.apply_aggregate(self.aggregate, result.step, self.last_report.count)

@@ -39,8 +39,7 @@ def of(cfg: PeerConfig) -> dict[str, Any]:
 
 def given(cfg: PeerConfig) -> dict[str, Any]:
     """The swarm settings this peer was given explicitly (the others it adopts)."""
-    return {name: v for name, v in of(cfg).items() if name != "budget" and cfg.is_given(name)
-            or name == "budget" and cfg.is_given("budget")}
+    return {name: v for name, v in of(cfg).items() if cfg.is_given(name)}
 
 
 def parse(raw: Any) -> dict[str, Any]:

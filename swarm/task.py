@@ -218,7 +218,7 @@ def call_with_args(obj: Callable, args: Mapping[str, str], label: str, fixed: Ma
             sig.bind(**kwargs)
         except TypeError as e:
             raise TaskError(f"{label} cannot be called with the given task args: {e}") from None
-    return call_user(label, obj, *()) if not kwargs else call_user(label, lambda: obj(**kwargs))
+    return call_user(label, lambda: obj(**kwargs))
 
 
 def _missing_dependency(where: str, e: UserCodeError) -> UserCodeError | TaskError:

@@ -138,8 +138,6 @@ class HostGroup:
             p.record_contribution(stats, None)
             clock.mark("send")
             (count,) = await p.work(self.comm.broadcast_ints, None, 1)
-            if p.aggregate is None:
-                p.aggregate = torch.zeros(p.replica.numel, dtype=torch.float32)
             await p.work(self.comm.broadcast_, p.aggregate)
             clock.mark("round")
             await p.work(p.replica.apply_aggregate, p.aggregate, step, count)
