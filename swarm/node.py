@@ -31,6 +31,7 @@ from .membership_shell import MembershipShell
 from .status.timeline import Timeline
 from .steptimes import StepTimes
 from .tables import RowOptConfig
+from .tables.audit import ReplicaAudit
 from .tables.http import TableClient
 from .tables.service import TableService
 from .replica import MAX_NONFINITE, Replica, StepStats
@@ -128,6 +129,8 @@ class Peer(MembershipShell):
         self.sketch_note: divergence.Note | None = None  # our last published sketch
         self.diverged_from: str | None = None  # a peer of the majority to re-sync from (divergence.verdict)
         self.resyncs: collections.Counter[str] = collections.Counter()  # re-syncs by cause: lag, diverged
+        self.table_audit = ReplicaAudit()  # our table replicas against their primaries (swarm/tables/audit.py)
+        self._auditing: asyncio.Task | None = None
         self.compressor: Compressor | None = None
         self.members: Membership | None = None
         self.addr = ""
@@ -803,6 +806,8 @@ class Peer(MembershipShell):
         self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
         if self.cfg.sketch_every and (self.book.step % self.cfg.sketch_every == 0 or self.book.step == FIRST_CHECK):
             await self.publish_sketch()
+            if self._auditing is None or self._auditing.done():
+                self._auditing = self._spawn(self.audit_tables())  # off the step's path
         self.check_divergence()
         self.progress.lr_history.append((self.book.step, self.replica.lr()))
         if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
@@ -821,6 +826,24 @@ class Peer(MembershipShell):
         self.members.set_meta(**meta)
         self.sketch_note = divergence.note_of(self.id, {**meta, "active_from": self.members.get(self.id).meta.get(
             "active_from", 0)})
+
+    async def audit_tables(self) -> int:
+        """Compare the table slots we replicate with their primaries' (update count and checksum)
+        and replace the copies that differ by the primary's; says so in the event log. Returns the
+        number of slots repaired."""
+        if self.table_client is None or self.tables is None or self.tables.map is None:
+            return 0
+        try:
+            repaired = await self.table_client.audit(self.table_audit)
+        except Exception as e:  # an audit must never take the peer down; the next one tries again
+            log.exception("table replica audit failed")
+            self._event("audit-failed", f"{type(e).__name__}: {e}")
+            return 0
+        if repaired:
+            tables = sorted({t for t, _ in repaired})
+            self._event("table-repair", f"{len(repaired)} replica slots of {', '.join(tables)} differed from "
+                                        f"their primary's: replaced by its copy")
+        return len(repaired)
 
     def check_divergence(self) -> None:
         """Compare our last sketch with the other contributors' of the same step; when ours is out of
@@ -926,10 +949,11 @@ class Peer(MembershipShell):
         self._table_pool.shutdown(wait=True, cancel_futures=True)
 
     # -- reporting -----------------------------------------------------------------------------
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _event(self, kind: str, detail: str) -> None:
         self.events.append({"at": time.time(), "kind": kind, "detail": detail})

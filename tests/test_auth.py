@@ -180,7 +180,7 @@ def sig_headers(method, path, body, *, secret=SECRET, now=None, nonce=None):
 V1 = [("POST", "/v1/join"), ("POST", "/v1/ping"), ("POST", "/v1/ping-req"), ("POST", "/v1/sync"),
       ("POST", "/v1/leave"), ("POST", "/v1/grads"), ("GET", "/v1/state"), ("POST", "/v1/rows/pull"),
       ("POST", "/v1/rows/push"), ("POST", "/v1/rows/replay"), ("POST", "/v1/rows/replica"),
-      ("POST", "/v1/rows/slots"), ("POST", "/v1/no-such-route")]
+      ("POST", "/v1/rows/slots"), ("POST", "/v1/rows/digests"), ("POST", "/v1/no-such-route")]
 
 
 async def test_missing_wrong_stale_and_replayed_requests_get_the_same_401(locked):

@@ -107,6 +107,7 @@ class Harness:
                                                        torch.ones(len(ids), dim), state["step"])]), octet),
             "/v1/rows/replica": (encode_replica(name, state, WRONG_VIEW, "9ad5e4de00000000:1"), octet),
             "/v1/rows/slots": (msgpack.packb({"table": "nope", "slots": [0, 1]}), {}),
+            "/v1/rows/digests": (msgpack.packb({"table": name, "view": WRONG_VIEW, "slots": [0, 1]}), {}),
             "/v1/state": (b"", {}),
         }
 
@@ -141,7 +142,7 @@ def h():
 ROUTES = [("POST", "/v1/join"), ("POST", "/v1/ping"), ("POST", "/v1/ping-req"), ("POST", "/v1/sync"),
           ("POST", "/v1/leave"), ("POST", "/v1/grads"), ("GET", "/v1/state"), ("POST", "/v1/rows/pull"),
           ("POST", "/v1/rows/push"), ("POST", "/v1/rows/replay"), ("POST", "/v1/rows/replica"),
-          ("POST", "/v1/rows/slots")]
+          ("POST", "/v1/rows/slots"), ("POST", "/v1/rows/digests")]
 MEMBERSHIP = {"/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave"}
 AUTH_MODES = ["valid"] * 5 + ["missing", "wrong-secret", "stale", "future", "replayed", "garbage", "wrong-path"]
 header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from swarm import divergence, settings
@@ -128,12 +129,21 @@ async def test_a_perturbed_replica_resyncs_from_the_majority_and_ends_equal():
     try:
         for _ in range(2):
             peers.append(await _start(join=f"127.0.0.1:{peers[0].port}", **kw))
-        victim = peers[2]
+        victim, holder = peers[2], peers[1]
 
-        async def perturb():  # an in-process test hook: never a network route
+        def perturb_rows():  # a replica slot of holder's: rows changed, update counters intact
+            by_table = next(iter(holder.tables.replica_slots().values()))
+            table, slots = next(iter(by_table.items()))
+            lo, _ = holder.tables.map.slot_rows(table, slots[0])
+            state = holder.tables.shards[table].read_state(np.array([lo]))
+            state["rows"] = state["rows"] + 0.25
+            holder.tables.shards[table].apply_replica_update(state)
+
+        async def perturb():  # in-process test hooks: never a network route
             while victim.book.step < 7:
                 await asyncio.sleep(0.02)
             await victim.work(lambda: victim.replica.params[0].data.add_(0.01))
+            await holder.table_work(perturb_rows)
 
         *summaries, _ = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers), perturb()), 200)
     finally:
@@ -144,6 +154,14 @@ async def test_a_perturbed_replica_resyncs_from_the_majority_and_ends_equal():
     assert summaries[0]["resyncs"] == {} and summaries[1]["resyncs"] == {}
     assert summaries[0]["param_sketch"] == summaries[1]["param_sketch"] == summaries[2]["param_sketch"]
     assert all(s["steps"] == 30 for s in summaries)
+    # the table replica was found by the audit and repaired from its primary
+    assert summaries[1]["table_stats"]["replicas_repaired"] >= 1
+    assert any(e["kind"] == "table-repair" for e in holder.events)
+    omap = peers[0].tables.map
+    for table in omap.tables:
+        for slot in range(omap.n_slots(table)):
+            owners = [p for p in peers if p.id in omap.owners(table, slot)]
+            assert len({p.tables.shards[table].checksum(slot) for p in owners}) == 1, (table, slot)
 
 
 async def test_a_peer_waiting_for_min_peers_joins_a_swarm_that_is_training():

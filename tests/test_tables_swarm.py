@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -187,6 +188,52 @@ async def test_two_joins_at_once_lose_no_rows_with_one_replica():
             assert owner.tables.shards[t].checksum(s) == checksum, (t, s, owner.id)
         assert sum(p.tables.stats.slots_lost for p in peers) == 0
         assert newmap.members == tuple(sorted(p.id for p in peers))
+    finally:
+        for p in peers:
+            await p.close()
+
+
+async def test_a_perturbed_table_replica_is_repaired_from_its_primary_by_the_audit():
+    """A replica slot whose rows changed with their update counters intact (the replay checks
+    cannot see it) is found by the audit and replaced by the primary's copy, over HTTP."""
+    import aiohttp
+
+    peers = await start_peers(3, row_dtype="fp32")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        rng = np.random.default_rng(3)
+        for i, p in enumerate(peers):
+            await push_random(p, rng, key=f"{p.id}:{i}")
+        omap = peers[0].tables.map
+        table = "ngram"
+        slot = next(s for s in range(omap.n_slots(table))
+                    if peers[0].tables.shards[table].has_slot(s) and int(peers[0].tables.shards[table].digest(s)[0]))
+        primary, replica = (next(p for p in peers if p.id == o) for o in omap.owners(table, slot))
+        assert [await p.audit_tables() for p in peers] == [0, 0, 0]  # all in step
+
+        lo, _ = omap.slot_rows(table, slot)
+
+        def perturb():  # the in-process test hook: the shard's own replica-update call, no route
+            state = replica.tables.shards[table].read_state(np.array([lo]))
+            state["rows"] = state["rows"] + 0.25
+            replica.tables.shards[table].apply_replica_update(state)
+        await replica.table_work(perturb)
+        assert replica.tables.shards[table].checksum(slot) != primary.tables.shards[table].checksum(slot)
+
+        assert await replica.audit_tables() == 1
+        assert replica.tables.shards[table].checksum(slot) == primary.tables.shards[table].checksum(slot)
+        assert any(e["kind"] == "table-repair" for e in replica.events)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{replica.port}/metrics") as r:
+                assert "swarm_table_replicas_repaired_total 1.0" in await r.text()
+            # the digest route refuses what it cannot answer, with a reason
+            for body, status in ((b"\x81\xa5table\xa4nope", 400),
+                                 (msgpack.packb({"table": table, "view": "f" * 16, "slots": [slot]}), 409),
+                                 (msgpack.packb({"table": table, "view": omap.view, "slots": []}), 400),
+                                 (msgpack.packb({"table": table, "view": omap.view, "slots": ["x"]}), 400)):
+                async with s.post(f"http://127.0.0.1:{primary.port}/v1/rows/digests", data=body) as r:
+                    assert r.status == status, await r.text()
+                    assert "error" in await r.json()
     finally:
         for p in peers:
             await p.close()

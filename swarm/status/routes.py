@@ -140,6 +140,10 @@ class PeerCollector(Collector):
         for cause in ("lag", "diverged"):
             resyncs.add_metric([cause], p.resyncs.get(cause, 0))
         yield resyncs
+        if p.tables is not None:
+            yield _counter("swarm_table_replicas_repaired", "Replica slots of the sharded tables that differed from "
+                           "their primary's copy (update count or checksum) and were replaced by it.",
+                           p.tables.stats.replicas_repaired)
         sent = CounterMetricFamily("swarm_bytes_sent", "Bytes sent, by kind.", labels=["kind"])
         for kind, n in sorted(p.counts.sent.items()):
             sent.add_metric([kind], n)

@@ -7,6 +7,7 @@ Routes (docs/protocol.md, "Sharded tables"):
   POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors) -> JSON
   POST /v1/rows/replica  full-state replica update, after a replay was refused (safetensors) -> JSON
   POST /v1/rows/slots    {"table", "slots": [..]} (msgpack) -> {"slots": [slot blob, ...]} (msgpack)
+  POST /v1/rows/digests  {"table", "view", "slots": [..]} (msgpack) -> {"digests": [[count, checksum] | None]}
 
 Every TableService call runs on the peer's table thread (``work``), one at a time.
 """
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from ..transport import PeerUnreachable, Transport
 from ..wire import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
+from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
@@ -304,6 +306,69 @@ class TableClient:
             return None
         return [b if isinstance(b, bytes) or (type(b) is int and b == FRESH) else None for b in blobs]
 
+    # -- replica audit ------------------------------------------------------------------------
+    async def audit(self, audit: ReplicaAudit) -> list[tuple[str, int]]:
+        """Compare every slot this peer replicates with its primary's digest and install the
+        primary's copy of those that differ (swarm/tables/audit.py); returns the slots repaired.
+        Our digests are taken before the primary's: its update count only grows, so a replay in
+        flight can make ours look behind (judged next time), never ahead."""
+        plan = await self.work(self.service.replica_slots)
+        view = self.service.view
+        repaired: list[tuple[str, int]] = []
+        for primary, by_table in plan.items():
+            if primary in self.down() or self.addr_of(primary) is None:
+                continue
+            for table, slots in by_table.items():
+                for i in range(0, len(slots), MAX_DIGESTS):
+                    chunk = slots[i:i + MAX_DIGESTS]
+                    ours = await digests_in_pieces(self.work, self.service.digests, table, chunk)
+                    theirs = await self._ask_digests(primary, table, chunk, view)
+                    if theirs is None or self.service.view != view:
+                        continue
+                    bad = audit.judge(view, table, chunk, ours, theirs)
+                    repaired += [(table, s) for s in await self._repair(primary, table, bad, view)]
+        return repaired
+
+    async def _repair(self, primary: str, table: str, slots: list[int], view: str) -> list[int]:
+        done = []
+        for i in range(0, len(slots), SLOTS_PER_REQUEST):
+            part = slots[i:i + SLOTS_PER_REQUEST]
+            blobs = await self._ask_slots(primary, table, part)
+            for slot, blob in zip(part, blobs or ()):
+                if blob is None:
+                    continue
+                try:
+                    if await self.work(self.service.repair, table, slot, blob, view):
+                        done.append(slot)
+                except (WireError, ShardError) as e:
+                    log.warning("primary %s sent an unusable copy of slot %d of %r: %s", primary[:8], slot, table, e)
+        return done
+
+    async def _ask_digests(self, primary: str, table: str, slots: list[int], view: str) -> list[Digest | None] | None:
+        """The primary's digests of ``slots`` under ``view``; None when it did not answer, answered
+        under another view, or sent something malformed."""
+        addr = self.addr_of(primary)
+        if addr is None:
+            return None
+        try:
+            reply = await self.transport.call(addr, "/v1/rows/digests", {"table": table, "view": view, "slots": slots},
+                                              timeout=self.timeout, kind="audit", reply_limit=64 * (len(slots) + 16))
+        except PeerUnreachable:
+            return None
+        got = reply.get("digests")
+        if not isinstance(got, list) or len(got) != len(slots):
+            return None
+        out: list[Digest | None] = []
+        for d in got:
+            if d is None:
+                out.append(None)
+            elif (isinstance(d, list) and len(d) == 2 and type(d[0]) is int and d[0] >= 0
+                  and isinstance(d[1], str) and len(d[1]) == 32):
+                out.append(Digest(d[0], d[1]))
+            else:
+                return None
+        return out
+
     def status(self) -> dict:
         s = self.stats
         return {"pulls": s.pulls, "rows_pulled_remote": s.rows_pulled_remote, "rows_read_local": s.rows_read_local,
@@ -435,6 +500,18 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
     return all(oks)
 
 
+DIGEST_PIECE = 256  # slots checksummed per table-thread job (~12 ms for 16 x 128 Adam rows): pulls wait no longer
+
+
+async def digests_in_pieces(work: Work, fn: Callable, table: str, slots: list[int]) -> list:
+    """``fn(table, part)`` on the table thread for DIGEST_PIECE slots at a time, concatenated: a
+    whole audit's checksums in one job would hold up every pull and push it serves meanwhile."""
+    out: list = []
+    for i in range(0, len(slots), DIGEST_PIECE):
+        out += await work(fn, table, slots[i:i + DIGEST_PIECE])
+    return out
+
+
 def exact_dtype(g: torch.Tensor) -> str:
     """The smallest wire dtype that carries ``g`` without changing a bit (replicas replay exactly)."""
     for dtype in ("int4", "int8", "bf16", "fp16"):
@@ -475,6 +552,7 @@ def body_limits(service: TableService) -> dict[str, int]:
         "/v1/rows/replica": ids * 4 * (3 * dim + 4) + 65536,
         "/v1/rows/replay": ids * (4 + 8 + 4 * dim) + 65536,
         "/v1/rows/slots": 65536,
+        "/v1/rows/digests": 1024 + 10 * MAX_DIGESTS,
     }
 
 
@@ -570,11 +648,33 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
         return msgpack_response({"slots": await peer.table_work(export)})
 
+    async def digests(request: web.Request) -> web.Response:
+        peer = ready(request)
+        limit = body_limits(peer.tables)["/v1/rows/digests"]
+        msg = unpack_map(await read_body(request, limit), limit)
+        table, view, wanted = msg.get("table"), msg.get("view"), msg.get("slots")
+        if table not in peer.tables.by_name:
+            raise BadRequest(f"unknown table {str(table)[:40]!r}")
+        if not isinstance(view, str):
+            raise BadRequest("view must be a string")
+        if (not isinstance(wanted, list) or not 0 < len(wanted) <= MAX_DIGESTS
+                or not all(type(s) is int for s in wanted)):
+            raise BadRequest(f"slots must be a list of 1..{MAX_DIGESTS} ints")
+
+        def answer(t: str, part: list[int]) -> list:
+            return [None if d is None else [d.version, d.checksum] for d in peer.tables.digests_under(view, t, part)]
+
+        try:
+            return msgpack_response({"digests": await digests_in_pieces(peer.table_work, answer, table, wanted)})
+        except (Fenced, Moving, ShardError) as e:
+            raise _service_errors(e) from None
+
     app.router.add_post("/v1/rows/pull", pull)
     app.router.add_post("/v1/rows/push", push)
     app.router.add_post("/v1/rows/replica", replica)
     app.router.add_post("/v1/rows/replay", replay)
     app.router.add_post("/v1/rows/slots", slots)
+    app.router.add_post("/v1/rows/digests", digests)
 
 
 __all__ = ["TableClient", "add_routes", "body_limits", "replicate", "RowStats", "pack"]

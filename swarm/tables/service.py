@@ -30,6 +30,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from .audit import Digest
 from .ownership import Move, OwnershipMap, TableSpec, moves
 from .shard import RowOptConfig, ShardError, TableShard
 from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
@@ -78,6 +79,7 @@ class TableStats:
     slots_kept: int = 0  # ... and that we went on with the (possibly older) copy we held
     slots_released: int = 0
     view_changes: int = 0
+    replicas_repaired: int = 0  # replica slots the audit found unlike their primary's, replaced by its copy
 
 
 @dataclass
@@ -377,6 +379,64 @@ class TableService:
         self.applied[key] = None
         while len(self.applied) > self.applied_keys_kept:
             self.applied.popitem(last=False)
+
+    # -- replica audit (swarm/tables/audit.py) -------------------------------------------------
+    def replica_slots(self) -> dict[str, dict[str, list[int]]]:
+        """{primary: {table: [slot, ...]}} of the slots this peer holds as a replica in the current
+        map (not those it is still fetching): what an audit compares, by whom to ask."""
+        out: dict[str, dict[str, list[int]]] = {}
+        m = self.map
+        if m is None or self.self_id not in m.index or m.replicas < 2:
+            return out
+        me = m.index[self.self_id]
+        for name in m.tables:
+            om = m.owner_matrix(name)
+            mine = np.flatnonzero((om[:, 1:] == me).any(axis=1))
+            held = self.shards[name].held_mask(m.n_slots(name))
+            moving = self._moving_slots(name)
+            mine = mine[held[mine] & ~np.isin(mine, moving)]
+            for prim in np.unique(om[mine, 0]).tolist():
+                slots = mine[om[mine, 0] == prim]
+                out.setdefault(m.members[prim], {})[name] = slots.tolist()
+        return out
+
+    def digests(self, table: str, slots: list[int]) -> list[Digest | None]:
+        """The digest of each slot held here and not being handed over (None for the others)."""
+        if table not in self.shards:
+            raise ShardError(f"unknown table {table!r}")
+        shard, out = self.shards[table], []
+        for s in slots:
+            if (table, s) in self.moving or not shard.has_slot(s):
+                out.append(None)
+            else:
+                out.append(Digest(*shard.digest(s)))
+        return out
+
+    def digests_under(self, view: str, table: str, slots: list[int]) -> list[Digest | None]:
+        """digests() for a replica that asks under ``view`` (Fenced when it is not ours): digests
+        taken under different maps are not comparable."""
+        self._fence(view)
+        return self.digests(table, slots)
+
+    def repair(self, table: str, slot: int, blob: bytes | int, view: str) -> bool:
+        """Replace our replica copy of ``slot`` with its primary's (an audit found them apart), a
+        slot blob or FRESH (never updated: its initial rows). False, changing nothing, when the map
+        changed since (``view``) or we no longer replicate it; raises WireError / ShardError for a
+        copy that does not decode as that slot."""
+        m = self.map
+        if m is None or m.view != view or (table, slot) in self.moving or not self.shards[table].has_slot(slot):
+            return False
+        if self.self_id not in m.owners(table, slot)[1:]:
+            return False
+        if blob == FRESH:
+            self.shards[table].create_slot(slot)
+        else:
+            name, got, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows, self.opt.kind)
+            if (name, got) != (table, slot):
+                raise ShardError(f"asked for slot {slot} of {table!r}, got slot {got} of {name!r}")
+            self.shards[table].import_slot(slot, tensors)
+        self.stats.replicas_repaired += 1
+        return True
 
     # -- hand-off -----------------------------------------------------------------------------
     def export_slot_or_fresh(self, table: str, slot: int) -> bytes | int:

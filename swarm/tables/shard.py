@@ -255,13 +255,19 @@ class TableShard:
         if self._cap > 256 and self.rows_held() < self._cap // 4:
             self._compact()  # give memory back once most of the pool is holes
 
+    def digest(self, slot) -> tuple[int, str]:
+        """(update count, checksum) of a held slot: the sum of its rows' step counters, which only
+        grows, and checksum(slot). A replica audit compares these with the primary's."""
+        lo, hi, base = self._held_or_raise(slot)
+        return int(self._step[base:base + hi - lo].sum()), self.checksum(slot)
+
     def checksum(self, slot) -> str:
-        """sha256 (32 hex chars) of the slot's range, rows, state and step counters."""
-        t = self.export_slot(slot)
-        lo, hi, _ = self._held[int(slot)]
+        """sha256 (32 hex chars) of the slot's range, rows, state and step counters (hashed where
+        they lie, each row beside its state: no copy)."""
+        lo, hi, base = self._held_or_raise(slot)
         h = hashlib.sha256(f"{self.spec.name}:{lo}:{hi}:{self.opt.kind}".encode())
-        for k in ("rows", *self.state_keys, "step"):
-            h.update(t[k].contiguous().numpy().tobytes())
+        h.update(self._pool[base:base + hi - lo].numpy().data)
+        h.update(self._step[base:base + hi - lo].numpy().data)
         return h.hexdigest()[:32]
 
     # --- validation -------------------------------------------------------------------------
