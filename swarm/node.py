@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -25,8 +25,11 @@ from . import checkpoint, divergence, gossip, robust, threads
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, parse_hostport
+from .core import rounds
+from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
+from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
-from .membership import Member, Membership, MembershipConfig, SendSync
+from .membership import Membership, MembershipConfig, SendSync
 from .membership_shell import MembershipShell
 from .status.timeline import Timeline
 from .steptimes import StepTimes
@@ -43,8 +46,6 @@ from .wire import PROTOCOL_VERSION, unpack_map
 log = logging.getLogger("swarm")
 
 FIRST_CHECK = 10  # replicas also compare sketches at this step: when a racing join is likeliest to have split them
-TRAINING_GRACE = 3.0  # seconds a peer waiting for --min-peers gives the count before it joins a training swarm
-RESYNC_LAG = 8  # a peer this many steps behind the swarm re-syncs its state instead of catching up
 SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
 
 
@@ -129,6 +130,7 @@ class Peer(MembershipShell):
         self.sketch_note: divergence.Note | None = None  # our last published sketch
         self.diverged_from: str | None = None  # a peer of the majority to re-sync from (divergence.verdict)
         self.resyncs: collections.Counter[str] = collections.Counter()  # re-syncs by cause: lag, diverged
+        self.lifecycle = Lifecycle(time.monotonic())  # starting .. left (core/lifecycle.py)
         self.table_audit = ReplicaAudit()  # our table replicas against their primaries (swarm/tables/audit.py)
         self._auditing: asyncio.Task | None = None
         self.compressor: Compressor | None = None
@@ -411,29 +413,15 @@ class Peer(MembershipShell):
         return f"{specs}/slots={self.cfg.table_slots}/replicas={self.cfg.replicas}"
 
     # -- gradient rounds -------------------------------------------------------------------------
+    def metas(self, live: bool = False) -> dict[str, PeerMeta]:
+        """The other members' parsed metadata: alive ones, or (``live``) alive and suspect ones."""
+        ids = self.members.live_ids(include_self=False) if live else self.members.alive_ids(include_self=False)
+        return {pid: PeerMeta.parse(m.meta) for pid in ids if (m := self.members.get(pid)) is not None}
+
     def expected(self, step: int) -> set[str]:
-        """Peers whose step payload round ``step`` waits for: live, and contributing by then."""
-        exp: set[str] = set()
-        for pid in self.members.live_ids(include_self=False):
-            m = self.members.get(pid)
-            if m is None:
-                continue
-            if m.meta.get("active") and int(m.meta.get("active_from", 0)) <= step:
-                exp.add(pid)
-        live = set(self.members.live_ids(include_self=False))
-        for pid in self.book.active_senders(step, window=2) & live:
-            m = self.members.get(pid)
-            until = m.meta.get("active_until") if m is not None else None
-            start = m.meta.get("active_from") if m is not None else None
-            if m is not None and m.meta.get("active") == 0 and type(until) is int and step > until:
-                continue  # it stopped contributing after round `until` (a re-sync): nothing more is coming
-            if m is not None and m.meta.get("active") and type(start) is int and start > step:
-                continue  # it (re)joined: it contributes from round `start` on, not before
-            exp.add(pid)
-        exp -= self.robust.banned_ids(time.monotonic())  # banned peers are not waited for
-        if self.active:
-            exp.add(self.id)
-        return exp
+        """Peers whose step payload round ``step`` waits for (core/rounds.py)."""
+        return rounds.expected(step, self.metas(live=True), self.book.active_senders(step, window=2),
+                               self.robust.banned_ids(time.monotonic()), self.id, self.active)
 
     def offer(self, decoded: Any) -> str:
         """File a validated payload from the network (called by the /v1/grads route)."""
@@ -450,7 +438,7 @@ class Peer(MembershipShell):
         while True:
             exp = self.expected(step)
             if (self.book.ready(step, exp, time.monotonic(), self.cfg.round_timeout) or self._stop.is_set()
-                    or (self.active and self._behind() > RESYNC_LAG)):
+                    or (self.active and self._behind() > rounds.RESYNC_LAG)):
                 return exp
             self._arrival.clear()
             try:
@@ -463,7 +451,7 @@ class Peer(MembershipShell):
         of a host group other than its leader get nothing: they step on their leader's aggregate."""
         for pid in self.members.live_ids(include_self=False):
             m = self.members.get(pid)
-            if m is None or _follower(m):
+            if m is None or PeerMeta.parse(m.meta).follower:
                 continue
             q = self._outboxes.get(pid)
             if q is None:
@@ -504,11 +492,10 @@ class Peer(MembershipShell):
         """Train until --steps is reached or stop() is called; then evaluate, leave, and summarise."""
         try:
             if self.group is not None:  # a rank of a host group: the leader decides (swarm/group/runner.py)
-                await self.group.run()
+                await self.group.run(self.steps)
             else:
-                await self._until_ready()
-                if not self._stop.is_set():
-                    await self._train()
+                await self.steps(Solo(self))
+            self.lifecycle.to(State.FINISHING, time.monotonic())
             if self.replica.step > 0 or self.cfg.steps:
                 await self._settle_rows()
                 await self._evaluate_now()
@@ -524,7 +511,7 @@ class Peer(MembershipShell):
     async def _settle_rows(self) -> None:
         """Let the last step's row updates land before the final evaluation, so that every peer
         evaluates the same tables: every peer queues its last step's row push before its last
-        payload (_train), and a primary applies a push within one --push-window of receiving it."""
+        payload (Peer.steps), and a primary applies a push within one --push-window of receiving it."""
         if self.table_client is None:
             return
         await asyncio.sleep(self.cfg.push_window)
@@ -536,31 +523,23 @@ class Peer(MembershipShell):
             await self._sync_state()
         else:
             self._announce(0)
-            seen_training: float | None = None
+            gate = MinPeersGate(self.cfg.min_peers)
+            self.lifecycle.to(State.WAITING, time.monotonic())
             while not self._stop.is_set():
-                # contributors as the status page counts them: a host group is one (its leader)
-                others = [m for pid in self.members.alive_ids(include_self=False)
-                          if (m := self.members.get(pid)) and m.meta.get("active")]
-                if 1 + len(others) >= self.cfg.min_peers:
+                decision = gate.decide(self.metas(), time.monotonic())
+                if isinstance(decision, Start):
                     break
-                training = [m for m in others if m.meta.get("run") == 1 and type(m.meta.get("step")) is int]
-                if training and seen_training is None:
-                    seen_training = time.monotonic()
-                # A peer that counted enough peers starts a moment before the gossip shows them all to
-                # us: at step 0 give the count a grace period; past step 0 the swarm is training.
-                if training and (max(m.meta["step"] for m in training) > 0
-                                 or time.monotonic() - seen_training > TRAINING_GRACE):
-                    # the swarm went ahead without us: join its training, do not split it
-                    step = max(m.meta["step"] for m in training)
-                    self._event("min-peers", f"the swarm is training (step {step}) with fewer than "
+                if isinstance(decision, JoinTraining):  # the swarm went ahead without us: do not split it
+                    self._event("min-peers", f"the swarm is training (step {decision.step}) with fewer than "
                                              f"{self.cfg.min_peers} peers: joining it instead of waiting")
                     self.stop_contributing(last=-1)
-                    self.book.reset(step)
+                    self.book.reset(decision.step)
                     await self._sync_state()
                     break
                 await asyncio.sleep(0.1)
         self.started = True
         self.active = True
+        self.lifecycle.to(State.TRAINING, time.monotonic())
         self.members.set_meta(run=1)  # training: a peer waiting for --min-peers joins us instead
 
     def _shard(self) -> tuple[int, int, int]:
@@ -591,14 +570,16 @@ class Peer(MembershipShell):
     async def _sync_state(self, donor_id: str | None = None) -> None:
         """Download parameters and optimizer state from a live peer (``donor_id`` if it is one), then
         replay buffered rounds."""
+        self.lifecycle.to(State.SYNCING, time.monotonic())
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.sync_timeout and not self._stop.is_set():
-            others = {pid: int(m.meta.get("step", 0)) for pid in self.members.alive_ids(include_self=False)
-                      if (m := self.members.get(pid)) and m.meta.get("active")}
-            if others and all(self.book.last_step_from.get(p, -1) >= s - 2 for p, s in others.items()):
-                break  # every contributor's current traffic reaches us: no round after the snapshot is lost
+            if rounds.traffic_reaches_us(self.metas(), self.book.last_step_from):
+                break  # no round after the snapshot is lost to us
             await asyncio.sleep(0.1)
-        donor = self._pick_donor(donor_id)
+        donor_id = rounds.pick_donor(self.metas(), donor_id)
+        donor = self.members.get(donor_id) if donor_id is not None else None
+        if donor is None:
+            raise JoinError("no live, contributing peer to sync state from")
         limit = self.state_limit()
         try:
             blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
@@ -625,26 +606,6 @@ class Peer(MembershipShell):
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
 
-    def _pick_donor(self, prefer: str | None = None) -> Member:
-        if prefer is not None and prefer in self.members.alive_ids(include_self=False):
-            m = self.members.get(prefer)
-            if m is not None and m.meta.get("active"):
-                return m
-        best: Member | None = None
-        for pid in self.members.alive_ids(include_self=False):
-            m = self.members.get(pid)
-            if m and m.meta.get("active") and (best is None or int(m.meta.get("step", 0)) > int(best.meta.get("step", 0))):
-                best = m
-        if best is None:
-            raise JoinError("no live, contributing peer to sync state from")
-        return best
-
-    async def _fetch_batch(self) -> tuple[torch.Tensor, dict, dict, dict]:
-        """The next batch and its table rows, pulled from their owners."""
-        batch, want = await self.sample_batch()
-        rows, missing = await self.table_client.pull(want)
-        return batch, want, rows, missing
-
     @staticmethod
     def drop_missing(row_grads: dict, missing: dict) -> dict:
         """Row gradients without the rows we never had (zeros were used for them: no update)."""
@@ -656,22 +617,15 @@ class Peer(MembershipShell):
             grads[name] = (ids, g)
         return grads
 
-    async def _push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
+    async def push_rows(self, row_grads: dict, missing: dict, step: int) -> None:
         """Send row gradients to their primaries in the background (at most 2 pushes in flight:
         first wait for all but the previous one)."""
-        await self._drain_pushes(keep=1)
-        grads = self.drop_missing(row_grads, missing)
-        self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=f"{self.id}:{step}")))
-
-    async def _drain_pushes(self, keep: int) -> None:
-        while len(self._pushes) > keep:
-            await asyncio.gather(self._pushes.popleft(), return_exceptions=True)
+        await self.drain_pushes(keep=1)
+        self.push_in_background(self.drop_missing(row_grads, missing), key=f"{self.id}:{step}")
 
     def _behind(self) -> int:
         """How many steps the furthest contributing peer is ahead of us (0 if none is)."""
-        ahead = [int(m.meta.get("step", 0)) for pid in self.members.alive_ids(include_self=False)
-                 if (m := self.members.get(pid)) and m.meta.get("active")]
-        return max([a - self.book.step for a in ahead] + [0])
+        return rounds.behind(self.book.step, self.metas())
 
     def stop_contributing(self, last: int) -> None:
         """Tell every peer at once that our last payload was for round ``last``: no round after it
@@ -684,7 +638,7 @@ class Peer(MembershipShell):
 
     def must_resync(self) -> bool:
         """Fallen too far behind the swarm, or our replica differs from the majority's."""
-        return self._behind() > RESYNC_LAG or self.diverged_from is not None
+        return rounds.must_resync(self.book.step, self.metas(), self.diverged_from is not None)
 
     async def _resync(self) -> None:
         """We fell behind (stalled, stopped, cut off) or our replica diverged: stop contributing,
@@ -695,6 +649,7 @@ class Peer(MembershipShell):
         if donor is None:
             self._event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
         self.active = False
+        self.lifecycle.to(State.RESYNCING, time.monotonic())
         self.sketch_note = None
         self.stop_contributing(last=self.book.step - 1)
         self.book.reset(self.book.step)
@@ -703,50 +658,113 @@ class Peer(MembershipShell):
         except JoinError as e:
             self._event("resync-failed", str(e))
         self.active = True
+        self.lifecycle.to(State.TRAINING, time.monotonic())
 
-    async def _train(self) -> None:
+    async def steps(self, role: "Role") -> None:
+        """The step loop, one for every peer: a plain peer (Solo) and each rank of a host group
+        (group/runner.py) run it; ``role`` says where rows, the dense reduction and the round come
+        from. One step: rows pulled -> forward/backward -> (reduced) -> payload out -> row grads
+        pushed -> round taken -> replica stepped. The next step's rows are prefetched while the
+        round completes where the role allows it."""
+        if not await role.begin():
+            return
         self.progress.started_at = self._last_print = time.monotonic()
         await self.evaluate_first()
         prefetched: asyncio.Future | None = None
-        while not self._stop.is_set() and (self.cfg.steps == 0 or self.book.step < self.cfg.steps):
-            if self.must_resync():
-                if prefetched is not None:
-                    prefetched.cancel()
-                    await asyncio.gather(prefetched, return_exceptions=True)
-                    prefetched = None
-                await self._resync()
-                continue
-            step = self.book.step
-            self.step_times.start()
-            batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch())
-            prefetched = None
-            self.step_times.mark("rows")
-            stats, row_grads, enc = await self.work(self._compute_and_compress, batch, want, rows, step)
-            self.step_times.mark("compute")
-            self.check_finite(stats, step)
-            last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
-            if last:  # the last rows go out before the last payload (_settle_rows relies on it)
-                await self._push_rows(row_grads, missing, step)
-            # otherwise the payload first: the round waits for it, while row pushes only need to land
-            # within the owners' push window (on a slow link, bytes queued ahead of it delay everyone)
-            self.book.offer(enc.decoded)
-            self._broadcast(enc)
-            if self.cfg.prefetch and not last:
-                # the next step's rows travel while this step's round completes; they may miss
-                # this step's own row update (one step stale), which is the price of the overlap
-                prefetched = asyncio.ensure_future(self._fetch_batch())
-            if not last:
-                await self._push_rows(row_grads, missing, step)
-            self.record_contribution(stats, enc)
-            self.step_times.mark("send")
-            await self.take_round(step)
-            await self.after_step(step, stats.loss)
-            self.step_times.mark("after")
-            self.step_times.end()
-        if prefetched is not None:
-            prefetched.cancel()
-            await asyncio.gather(prefetched, return_exceptions=True)
-        await self._drain_pushes(keep=0)
+        clock = self.step_times
+        try:
+            while True:
+                cmd = await role.command()
+                if cmd is STOP:
+                    break
+                if cmd is RESYNC:
+                    prefetched = await _cancelled(prefetched)
+                    await role.resync()
+                    continue
+                step = cmd
+                clock.start()
+                batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
+                prefetched = None
+                clock.mark("rows")
+                stats, flat, row_grads = await self.work(self.replica.compute, batch, want, rows)
+                clock.mark("compute")
+                self.check_finite(stats, step)
+                last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
+                if last:  # the last rows go out before the last payload (_settle_rows relies on it)
+                    await role.push(row_grads, missing, step)
+                await role.reduce(flat)
+                enc = None
+                if role.gossips:
+                    # the payload before the row pushes: the round waits for it, while row pushes only
+                    # need to land within the owners' push window (on a slow link, bytes queued ahead
+                    # of it delay everyone)
+                    enc = await self.work(self.compressor.compress, flat, step)
+                    self.book.offer(enc.decoded)
+                    self._broadcast(enc)
+                if role.prefetch and self.cfg.prefetch and not last:
+                    # the next step's rows travel while this step's round completes; they may miss
+                    # this step's own row update (one step stale), which is the price of the overlap
+                    prefetched = asyncio.ensure_future(self._fetch_batch(role))
+                if not last:
+                    await role.push(row_grads, missing, step)
+                self.record_contribution(stats, enc)
+                clock.mark("send")
+                await role.round(step)  # marks "round" and "apply"
+                await self.after_step(step, stats.loss)
+                clock.mark("after")
+                clock.end()
+        finally:
+            await _cancelled(prefetched)
+        await role.end()
+        await self.drain_pushes(keep=0)
+
+    async def _fetch_batch(self, role: "Role") -> tuple[Any, dict, dict, dict]:
+        """The next batch and its table rows, pulled from their owners as the role does it."""
+        batch, want = await self.sample_batch()
+        rows, missing = await role.pull(want)
+        return batch, want, rows, missing
+
+    # -- what a role may use of the peer (group/runner.py) ------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """stop() was called (or the peer is closing): the loop ends after the current step."""
+        return self._stop.is_set()
+
+    def suspects(self) -> set[str]:
+        """Members currently suspected (their rows are asked of another owner first)."""
+        return self._suspects()
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` in the background for as long as the peer lives (cancelled at close)."""
+        return self._spawn(coro)
+
+    def event(self, kind: str, detail: str) -> None:
+        """A line in the peer's event log (status page, /api/events)."""
+        self._event(kind, detail)
+
+    def push_in_background(self, grads: dict, key: str) -> None:
+        """Send row gradients to their primaries without waiting (drain_pushes waits)."""
+        self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=key)))
+
+    async def drain_pushes(self, keep: int) -> None:
+        """Wait until at most ``keep`` row pushes are still in flight."""
+        while len(self._pushes) > keep:
+            await asyncio.gather(self._pushes.popleft(), return_exceptions=True)
+
+    def follow(self, step: int, leader: str) -> None:
+        """A rank of a host group took its leader's state of ``step``: it trains from there."""
+        if self.replica.shard is None:
+            self.take_shard()
+            self._event("active", f"following {leader[:8]} (rank 0) from step {step}")
+        self.lifecycle.to(State.TRAINING, time.monotonic())
+
+    async def until_ready(self) -> None:
+        """The --min-peers wait (or a joiner's state sync) before the first step."""
+        await self._until_ready()
+
+    async def resync(self) -> None:
+        """Sync state again after falling behind or diverging (see _resync)."""
+        await self._resync()
 
     def check_finite(self, stats: StepStats, step: int) -> None:
         """A non-finite loss skipped the step (its gradient was dropped) and is counted; too many in
@@ -757,11 +775,6 @@ class Peer(MembershipShell):
         self._event("nonfinite", f"step {step}: the loss was {stats.loss}; the step's gradient was dropped ({run} in a row)")
         if run >= MAX_NONFINITE:
             raise TaskError(f"the task's loss was not finite in {run} steps in a row (last at step {step}): stopping")
-
-    def _compute_and_compress(self, batch, want, rows, step: int) -> tuple[Any, dict, Encoded]:
-        """Forward/backward, then the payload of its gradient: one trip to the training thread."""
-        stats, flat, row_grads = self.replica.compute(batch, want, rows)
-        return stats, row_grads, self.compressor.compress(flat, step)
 
     def record_contribution(self, stats: Any, enc: Encoded | None) -> None:
         """Count a computed step (``enc``: the payload we sent for it, if we sent one)."""
@@ -852,11 +865,10 @@ class Peer(MembershipShell):
         if me is None or self.diverged_from is not None or not self.active:
             return
         notes, contributors = [], 0
-        for pid in self.members.alive_ids(include_self=False):
-            m = self.members.get(pid)
-            if m is not None and m.meta.get("active") and not _follower(m):
+        for pid, meta in self.metas().items():
+            if meta.contributor:
                 contributors += 1
-                n = divergence.note_of(pid, m.meta)
+                n = divergence.note_of(pid, self.members.get(pid).meta)
                 if n is not None and n.step == me.step:
                     notes.append(n)
         if not notes or len(notes) < contributors:
@@ -895,9 +907,7 @@ class Peer(MembershipShell):
         self.members.set_meta(done=1)
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.linger and not self._stop.is_set():
-            others = [self.members.get(p) for p in self.members.live_ids(include_self=False)]
-            # contributors, and the ranks of host groups (they evaluate too, though only their leader gossips)
-            if all(m is None or m.meta.get("done") or not (m.meta.get("active") or _follower(m)) for m in others):
+            if linger_over(self.metas(live=True)):
                 return
             await asyncio.sleep(0.1)
 
@@ -929,6 +939,7 @@ class Peer(MembershipShell):
             actions = self.members.leave(time.monotonic())
             await asyncio.gather(*(self._carry_out(a) for a in actions), return_exceptions=True)
             self._event("left", "")
+        self.lifecycle.to(State.LEFT, time.monotonic())
         self._stop.set()
         await self.close()
 
@@ -1025,6 +1036,7 @@ class Peer(MembershipShell):
             "addr": self.addr,
             "step": self.book.step,
             "active": self.active,
+            "state": self.lifecycle.state.value,  # core/lifecycle.py State
             "loss": sum(recent) / len(recent) if recent else None,
             "val_loss": p.val_loss,
             "tokens_per_s": p.tokens / elapsed if elapsed > 0 else 0.0,
@@ -1060,10 +1072,71 @@ class Peer(MembershipShell):
         }
 
 
-def _follower(m: Member) -> bool:
-    """A rank of a host group other than its leader (meta from the network: any type may come)."""
-    rank = m.meta.get("grank")
-    return type(rank) is int and rank > 0
+class Role(Protocol):
+    """Where a peer's step gets its rows, its reduced gradient and its round (Peer.steps)."""
+    gossips: bool  # it compresses and sends the step's payload (a plain peer, a host group's leader)
+    prefetch: bool  # the next step's rows may be pulled while this step's round completes
+
+    async def begin(self) -> bool: ...  # before the first step; False: do not train
+
+    async def command(self) -> "int | str": ...  # the step to take, RESYNC or STOP
+
+    async def resync(self) -> None: ...
+
+    async def pull(self, want: dict) -> tuple[dict, dict]: ...
+
+    async def push(self, row_grads: dict, missing: dict, step: int) -> None: ...
+
+    async def reduce(self, flat: torch.Tensor) -> None: ...  # in place: the gradient the round carries
+
+    async def round(self, step: int) -> None: ...  # take round ``step`` and step the replica
+
+    async def end(self) -> None: ...
+
+
+class Solo:
+    """A plain peer's role: its own rows over HTTP, its own gradient, its own payload and round."""
+    gossips = True
+    prefetch = True
+
+    def __init__(self, peer: Peer):
+        self.peer = peer
+
+    async def begin(self) -> bool:
+        await self.peer.until_ready()
+        return not self.peer.stopping
+
+    async def command(self) -> int | str:
+        p = self.peer
+        if p.stopping or (p.cfg.steps != 0 and p.book.step >= p.cfg.steps):
+            return STOP
+        return RESYNC if p.must_resync() else p.book.step
+
+    async def resync(self) -> None:
+        await self.peer.resync()
+
+    async def pull(self, want: dict) -> tuple[dict, dict]:
+        return await self.peer.table_client.pull(want)
+
+    async def push(self, row_grads: dict, missing: dict, step: int) -> None:
+        await self.peer.push_rows(row_grads, missing, step)
+
+    async def reduce(self, flat: torch.Tensor) -> None:
+        return None  # one process: its gradient is the peer's
+
+    async def round(self, step: int) -> None:
+        await self.peer.take_round(step)
+
+    async def end(self) -> None:
+        return None
+
+
+async def _cancelled(fut: asyncio.Future | None) -> None:
+    """Cancel a prefetch that will not be used and wait for it to unwind; always None."""
+    if fut is not None:
+        fut.cancel()
+        await asyncio.gather(fut, return_exceptions=True)
+    return None
 
 
 def not_a_peer(join: str, why: str) -> str:

@@ -83,7 +83,7 @@ async def main(out_dir: Path, replicas: int, backend: str, device: str, reps: in
     await peer.work(comm.all_gather_text, "before-push")
     grads = {t: (want[t], torch.full((len(want[t]), group.rows.dim), 1e-3)) for t in tables}
     await group.push(grads, {}, step=7)
-    await peer._drain_pushes(keep=0)
+    await peer.drain_pushes(keep=0)
     await peer.work(comm.all_gather_text, "pushed")
     await asyncio.sleep(0.5)  # replays to replicas are sent in the background
     await peer.work(comm.all_gather_text, "replayed")

@@ -233,18 +233,6 @@ async def test_killing_a_whole_host_group_loses_no_slot(spawn):
     assert sa["param_sketch"] == sb["param_sketch"]
 
 
-def test_group_meta_from_the_network_is_read_defensively():
-    from swarm.membership import Member
-    from swarm.node import _follower
-
-    def member(meta: dict) -> Member:
-        return Member("p", "http://127.0.0.1:1", "alive", 0, 0.0, meta)
-
-    assert _follower(member({"grank": 1})) and not _follower(member({"grank": 0}))
-    for hostile in ("1", "x", 1.5, True, None):  # a peer may gossip any meta value: never a crash
-        assert not _follower(member({"grank": hostile}))
-
-
 async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
     """A user task (tests/user_task.py: two sharded tables, 16 and 8 wide, and BatchNorm buffers) on a
     2-rank group plus one plain peer: one swarm, every replica bit-identical, the loss falls."""

@@ -1,29 +1,32 @@
-"""One rank's part in a host group: the step loop that keeps the ranks of one torchrun in lockstep.
+"""One rank's role in a host group: what the peer's one step loop (Peer.steps) does on a rank of a
+torchrun group, so that the ranks stay in lockstep.
 
 The group is one member of the gradient gossip and N members of the table map (docs/design.md,
 "Host groups"). Rank 0, the leader, decides what every rank does next and says so with a small
-broadcast at the top of each iteration: take step t, load this state, or stop. A step is the same
-sequence of collectives on every rank, in this order:
+broadcast at the top of each iteration (HostGroup.command): take step t, load this state, or stop.
+A step is the same sequence of collectives on every rank, in this order:
 
   rows:   pull (counts, keys, rows) from the group's owners while the HTTP share runs on the loop
   compute forward and backward on this rank's own batch
+  dense:  all_reduce (mean of the ranks' gradients); the leader then sends the group's one payload
   rows:   push (counts, keys, gradients, acks) to the group's primaries, the rest over HTTP
-  dense:  all_reduce (mean of the ranks' gradients)
-  round:  the leader compresses the mean, gossips it as the group's one payload, takes the round as
-          any peer does, and broadcasts the aggregate it stepped on; the others step on the same bits
+          (on the last step the pushes come before the reduction, as on a plain peer)
+  round:  the leader takes the round as any peer does and broadcasts the aggregate it stepped on;
+          the others step on the same bits
 
 Only the leader's payload goes over HTTP, so the bytes between hosts do not grow with the ranks.
+A pull is a collective, so it runs at its fixed point of the step: a group does not prefetch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import numpy as np
 import torch
 
+from ..core.lifecycle import RESYNC, STOP
 from ..tables.http import replicate
 from .comm import Comm
 from .rows import GroupRows, merge_parts
@@ -53,34 +56,69 @@ class HostGroup:
                 "collective_bytes": self.comm.bytes_moved, "rows": vars(self.rows.stats).copy(),
                 "error": self.error}
 
-    # -- the loops -----------------------------------------------------------------------------
-    async def run(self) -> None:
-        """Lead or follow until the leader stops the group; a broken group (a rank died, a
-        collective timed out) ends this rank's training with an event, not a traceback."""
+    # -- the role this rank plays in Peer.steps (the one step loop) ------------------------------
+    @property
+    def gossips(self) -> bool:
+        return self.leader  # only the leader's payload goes over HTTP
+
+    prefetch = False  # a pull is a collective: it must run at the same point of the step on every rank
+
+    async def run(self, loop: Callable[["HostGroup"], Awaitable[None]]) -> None:
+        """Run the peer's step loop as this rank; a broken group (a rank died, a collective timed
+        out) ends this rank's training with an event, not a traceback."""
         try:
-            if self.leader:
-                await self._lead()
-            else:
-                await self._follow()
-            await self.peer._drain_pushes(keep=0)
+            await loop(self)
         except RuntimeError as e:  # what torch.distributed raises when a rank is gone
             self.error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            self.peer._event("group-lost", self.error)
+            self.peer.event("group-lost", self.error)
             self.peer.stop()
 
-    async def _lead(self) -> None:
+    async def begin(self) -> bool:
+        """The leader waits for --min-peers (or syncs state) and hands its replica to every rank;
+        the others wait for it. False: the leader stopped the group before its first step."""
         p = self.peer
-        await p._until_ready()
-        await self._send_state()
-        while not p._stop.is_set() and (p.cfg.steps == 0 or p.book.step < p.cfg.steps):
+        if self.leader:
+            await p.until_ready()
+            await self._send_state()
+            return True
+        while True:
+            cmd, step, size = await p.work(self.comm.broadcast_ints, None, 3)
+            if cmd == CMD_STATE:
+                await self._load_state(step, size)
+                return True
+            if cmd == CMD_STOP:
+                p.book.reset(step)
+                return False
+            raise RuntimeError(f"the leader sent command {cmd} before its state")
+
+    async def command(self) -> int | str:
+        """The leader decides (as a plain peer does) and tells every rank; the others obey."""
+        p = self.peer
+        if self.leader:
+            if p.stopping or (p.cfg.steps != 0 and p.book.step >= p.cfg.steps):
+                await p.work(self.comm.broadcast_ints, [CMD_STOP, p.book.step, 0], 3)
+                return STOP
             if p.must_resync():
-                await p._resync()
-                await self._send_state()
+                return RESYNC
+            await p.work(self.comm.broadcast_ints, [CMD_STEP, p.book.step, 0], 3)
+            return p.book.step
+        while True:
+            cmd, step, size = await p.work(self.comm.broadcast_ints, None, 3)
+            if cmd == CMD_STOP:
+                p.book.reset(step)
+                return STOP
+            if cmd == CMD_STATE:  # the leader re-synced
+                await self._load_state(step, size)
                 continue
-            step = p.book.step
-            await p.work(self.comm.broadcast_ints, [CMD_STEP, step, 0], 3)
-            await self._step(step)
-        await p.work(self.comm.broadcast_ints, [CMD_STOP, p.book.step, 0], 3)
+            if cmd != CMD_STEP or step != p.book.step:
+                raise RuntimeError(f"the leader sent command {cmd} for step {step} at our step {p.book.step}")
+            p.started = True  # from now on a peer that joins through us syncs state first
+            return step
+
+    async def resync(self) -> None:
+        """(The leader only: the others get its new state.)"""
+        await self.peer.resync()
+        await self._send_state()
 
     async def _send_state(self) -> None:
         """The leader's replica to every rank: at the start, and after the leader re-synced."""
@@ -89,63 +127,36 @@ class HostGroup:
         await p.work(self.comm.broadcast_ints, [CMD_STATE, p.book.step, len(blob)], 3)
         await p.work(self.comm.broadcast_bytes, blob, len(blob))
 
-    async def _follow(self) -> None:
+    async def _load_state(self, step: int, size: int) -> None:
         p = self.peer
-        p.progress.started_at = time.monotonic()
-        while True:
-            cmd, step, size = await p.work(self.comm.broadcast_ints, None, 3)
-            if cmd == CMD_STOP:
-                p.book.reset(step)
-                return
-            if cmd == CMD_STATE:
-                blob = await p.work(self.comm.broadcast_bytes, None, size)
-                await p.work(p.replica.load_state_blob, blob)
-                p.book.reset(step)
-                p.members.set_meta(step=step)
-                if p.replica.shard is None:
-                    p.take_shard()
-                    p._event("active", f"following {self.rank_ids[0][:8]} (rank 0) from step {step}")
-                continue
-            if cmd != CMD_STEP or step != p.book.step:
-                raise RuntimeError(f"the leader sent command {cmd} for step {step} at our step {p.book.step}")
-            p.started = True  # from now on a peer that joins through us syncs state first
-            await self._step(step)
+        blob = await p.work(self.comm.broadcast_bytes, None, size)
+        await p.work(p.replica.load_state_blob, blob)
+        p.book.reset(step)
+        p.members.set_meta(step=step)
+        p.follow(step, self.rank_ids[0])
 
-    async def _step(self, step: int) -> None:
+    async def reduce(self, flat: torch.Tensor) -> None:
+        """The mean of the ranks' dense gradients, in place."""
+        await self.peer.work(self.comm.all_reduce_mean_, flat)
+
+    async def round(self, step: int) -> None:
+        """The leader takes the round as any peer does and hands every rank the aggregate it stepped
+        on; the others step on the same bits."""
         p = self.peer
-        await p.evaluate_first()
-        clock = p.step_times
-        clock.start()
-        batch, want = await p.sample_batch()
-        rows, missing = await self.pull(want)
-        clock.mark("rows")
-        stats, flat, row_grads = await p.work(p.replica.compute, batch, want, rows)
-        clock.mark("compute")
-        p.check_finite(stats, step)
-        await self.push(row_grads, missing, step)
-        await p.work(self.comm.all_reduce_mean_, flat)
-        enc = None
         if self.leader:
-            enc = await p.work(p.compressor.compress, flat, step)
-            p.book.offer(enc.decoded)
-            p._broadcast(enc)
-            p.record_contribution(stats, enc)
-            clock.mark("send")
             await p.take_round(step)  # marks "round" and "apply"
             await p.work(self.comm.broadcast_ints, [p.last_report.count], 1)
             await p.work(self.comm.broadcast_, p.aggregate)
-        else:
-            p.record_contribution(stats, None)
-            clock.mark("send")
-            (count,) = await p.work(self.comm.broadcast_ints, None, 1)
-            await p.work(self.comm.broadcast_, p.aggregate)
-            clock.mark("round")
-            await p.work(p.replica.apply_aggregate, p.aggregate, step, count)
-            clock.mark("apply")
-            p.book.reset(step + 1)
-        await p.after_step(step, stats.loss)
-        clock.mark("after")
-        clock.end()
+            return
+        (count,) = await p.work(self.comm.broadcast_ints, None, 1)
+        await p.work(self.comm.broadcast_, p.aggregate)
+        p.step_times.mark("round")
+        await p.work(p.replica.apply_aggregate, p.aggregate, step, count)
+        p.step_times.mark("apply")
+        p.book.reset(step + 1)
+
+    async def end(self) -> None:
+        return None
 
     # -- rows ----------------------------------------------------------------------------------
     async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
@@ -153,7 +164,7 @@ class HostGroup:
         hosts') comes through TableClient.pull; rows the group did not serve are pulled over HTTP."""
         p = self.peer
         omap = p.tables.map
-        per_rank, rest = self.rows.split_pull(omap, want, down=p._suspects())
+        per_rank, rest = self.rows.split_pull(omap, want, down=p.suspects())
         http = asyncio.ensure_future(p.table_client.pull(rest))
         try:
             ex = await p.work(self.rows.request, per_rank, omap.view)
@@ -187,12 +198,12 @@ class HostGroup:
         grads = p.drop_missing(row_grads, missing)
         omap = p.tables.map
         per_rank, rest = self.rows.split_push(omap, grads)
-        await p._drain_pushes(keep=1)
-        p._pushes.append(asyncio.ensure_future(p.table_client.push(rest, key=f"{p.id}:{step}")))
+        await p.drain_pushes(keep=1)
+        p.push_in_background(rest, key=f"{p.id}:{step}")
         ex = await p.work(self.rows.send_grads, per_rank, omap.view)
         acks, forward = await p.table_work(self.rows.apply, p.tables, ex, step)
         if forward:
-            p._spawn(replicate(p.table_client, forward))
+            p.spawn(replicate(p.table_client, forward))
         refused = await p.work(self.rows.exchange_acks, ex, acks, per_rank)
         if refused:
             by_table: dict[str, list] = {}
@@ -200,4 +211,4 @@ class HostGroup:
                 for t, part in parts.items():
                     by_table.setdefault(t, []).append(part)
             again = {t: merge_parts(items) for t, items in by_table.items()}
-            p._pushes.append(asyncio.ensure_future(p.table_client.push(again, key=f"{p.id}/retry:{step}")))
+            p.push_in_background(again, key=f"{p.id}/retry:{step}")

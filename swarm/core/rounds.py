@@ -1,0 +1,72 @@
+"""Which peers a round waits for, how far behind the swarm a peer is, and whom it syncs from.
+
+Inputs are the members' parsed metadata (core/meta.py) and the round book's counters; nothing
+here touches a socket, a clock or the membership object. The step loop (swarm/node.py) calls these
+with what it sees now and acts on the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping
+
+from .meta import PeerMeta
+
+__all__ = ["RESYNC_LAG", "expected", "behind", "must_resync", "pick_donor", "traffic_reaches_us"]
+
+RESYNC_LAG = 8  # steps behind the furthest contributor after which a peer re-syncs its state
+
+
+def expected(step: int, live: Mapping[str, PeerMeta], recent_senders: Collection[str], banned: Collection[str],
+             self_id: str, self_active: bool) -> set[str]:
+    """The peers whose payload round ``step`` waits for.
+
+    ``live``: the other live members' metadata (alive or suspect); ``recent_senders``: peers whose
+    payloads reached us for the last rounds (RoundBook.active_senders) -- a peer whose 'active'
+    has not reached us by gossip yet is still waited for when its payloads have. A peer that said
+    its last round (a re-sync) is not waited for after it; one that (re)joined not before its
+    first round. Banned peers are never waited for."""
+    exp: set[str] = set()
+    for pid, m in live.items():
+        if m.active and m.active_from <= step:
+            exp.add(pid)
+    for pid in set(recent_senders) & live.keys():
+        m = live[pid]
+        if not m.active and m.active_until is not None and step > m.active_until:
+            continue  # it stopped contributing after round `active_until`: nothing more is coming
+        if m.active and m.active_from > step:
+            continue  # it (re)joined: it contributes from round `active_from` on, not before
+        exp.add(pid)
+    exp -= set(banned)
+    if self_active:
+        exp.add(self_id)
+    return exp
+
+
+def behind(step: int, alive: Mapping[str, PeerMeta]) -> int:
+    """How many steps the furthest contributing peer is ahead of ``step`` (0 if none is)."""
+    return max([m.step - step for m in alive.values() if m.active] + [0])
+
+
+def must_resync(step: int, alive: Mapping[str, PeerMeta], diverged: bool) -> bool:
+    """Fallen more than RESYNC_LAG steps behind the swarm, or our replica differs from the majority's."""
+    return diverged or behind(step, alive) > RESYNC_LAG
+
+
+def pick_donor(alive: Mapping[str, PeerMeta], prefer: str | None = None) -> str | None:
+    """The peer to download state from: ``prefer`` (a peer of the majority, after a divergence)
+    when it is alive and contributing, else the contributor furthest ahead (the lowest id among
+    equals); None when no peer contributes."""
+    if prefer is not None and prefer in alive and alive[prefer].active:
+        return prefer
+    best: str | None = None
+    for pid in sorted(alive):
+        if alive[pid].active and (best is None or alive[pid].step > alive[best].step):
+            best = pid
+    return best
+
+
+def traffic_reaches_us(alive: Mapping[str, PeerMeta], last_step_from: Mapping[str, int]) -> bool:
+    """Before a state sync: every contributor's current payloads reach us (its last payload here is
+    within 2 steps of its step), so no round after the snapshot is lost to us."""
+    contributors = {pid: m.step for pid, m in alive.items() if m.active}
+    return bool(contributors) and all(last_step_from.get(p, -1) >= s - 2 for p, s in contributors.items())
