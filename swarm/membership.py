@@ -388,6 +388,24 @@ class Membership:
         m = self._members.get(peer_id)
         return None if m is None else replace(m, meta=dict(m.meta))
 
+    def snapshot(self) -> dict:
+        """Everything this core holds, as plain data (copies, comparable with ``==``): the members
+        and their meta versions, the gossip queue, our outstanding probes (``probes``, by probe id)
+        and the pings we relay, the probe order, the counters, timers and the rng's state.
+        Two cores with equal snapshots answer every input alike, so it shows that a refused message
+        changed nothing (every handler validates the whole message first) and what a step did when
+        debugging. Its keys are for reading, not a wire format."""
+        return {
+            "members": [(m.peer_id, m.addr, m.state, m.incarnation, m.changed_at, dict(m.meta))
+                        for _, m in sorted(self._members.items())],
+            "meta_versions": dict(self._mv), "gossip": dict(self._bcast),
+            "probes": {pid: (p.target, p.addr, p.started, p.deadline, p.direct_failed, p.indirect_pending)
+                       for pid, p in self._probes.items()},
+            "relays": dict(self._relays), "order": list(self._order), "order_idx": self._order_idx,
+            "next_probe_id": self._next_pid, "next_probe": self._next_probe, "next_sync": self._next_sync,
+            "epoch": self.epoch, "alive": sorted(self._alive_set), "events": list(self.events), "left": self._left, "rng": self.rng.getstate(),
+        }
+
     def set_meta(self, **kv: Any) -> None:
         me = self._members[self.self_id]
         merged = _check_meta({**me.meta, **kv}, "meta")   # raises before any change

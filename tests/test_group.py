@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
-from swarm.group.rows import KEY_BITS, GroupRows
+from swarm.group.rows import KEY_BITS, Exchange, GroupRows, pack_keys, unpack_keys
 from swarm.tables import OwnershipMap, TableSpec
 
 from .conftest import ROOT, json_summaries
@@ -125,14 +125,23 @@ def test_split_pull_skips_a_suspect_owner_like_the_http_client():
 
 def test_keys_round_trip_and_hostile_keys_are_refused():
     rows, _ = _rows()
-    keys, counts, sent = rows._pack({1: {"value": np.array([5, 9]), "ngram": np.array([1, 4095])}})
+    keys, counts, sent = pack_keys({1: {"value": np.array([5, 9]), "ngram": np.array([1, 4095])}},
+                                   rows.table_index, rows.comm.world)
     assert counts == [0, 4] and [t for _, t, _ in sent] == ["ngram", "value"]
-    runs = rows._unpack(keys.numpy())
+    runs = unpack_keys(keys.numpy(), rows.specs)
     assert [(t, ids.tolist()) for t, ids in runs] == [("ngram", [1, 4095]), ("value", [5, 9])]
-    assert rows._unpack(np.array([3, 2], dtype=np.int64)) is None  # not sorted
-    assert rows._unpack(np.array([7 << KEY_BITS], dtype=np.int64)) is None  # no such table
-    assert rows._unpack(np.array([4096], dtype=np.int64)) is None  # beyond the table
-    assert rows._unpack(np.array([-1], dtype=np.int64)) is None
+    hostile = [np.array([3, 2], dtype=np.int64),  # not sorted
+               np.array([7 << KEY_BITS], dtype=np.int64),  # no such table
+               np.array([4096], dtype=np.int64),  # beyond the table
+               np.array([-1], dtype=np.int64)]
+    for keys in hostile:
+        assert unpack_keys(keys, rows.specs) is None
+    # an owner refuses such a part before it touches its tables (service None: it is never reached)
+    for keys in hostile:
+        ex = Exchange(sent=[], send_counts=[0, 0], recv_counts=[0, len(keys)], views=["v", "v"], asked=keys,
+                      grads=torch.zeros(len(keys), rows.dim))
+        assert rows.apply(None, ex, step=1) == ([1, 0], {})
+        assert not rows.serve(None, ex)[:, rows.dim].any()  # nothing served
 
 
 # -- real ranks ---------------------------------------------------------------------------------

@@ -327,7 +327,7 @@ def manual(n: int, t: float = 0.0) -> dict[str, Membership]:
             m.handle_join_reply(ms["p0"].handle_join(m.join_request(), t), t)
     for pid, m in ms.items():
         if pid != "p0":
-            m.handle_sync_reply(ms["p0"].handle_sync(m._full_state("sync"), t), t)
+            m.handle_sync_reply(ms["p0"].handle_sync(m.sync_message(), t), t)
     assert all(m.alive_ids() == sorted(ms) for m in ms.values())
     return ms
 
@@ -360,7 +360,7 @@ def test_ack_after_direct_timeout_but_before_deadline_satisfies_probe():
     ack = ms[ping.target].handle_ping(ms[reqs[0].via].handle_ping_req(reqs[0].msg, t + 1.0).msg,
                                       t + 1.0)
     a.ping_req_result(ping.probe_id, True, ack, t + CFG.probe_deadline - 0.05)
-    assert ping.probe_id not in a._probes
+    assert ping.probe_id not in a.snapshot()["probes"]
     a.tick(t + CFG.probe_deadline + 0.05)       # past the deadline: nothing to expire
     assert a.get(ping.target).state == ALIVE
     assert not [e for e in a.events if e.kind == "suspect"]
@@ -392,11 +392,13 @@ def test_round_robin_probes_everyone_once_per_pass():
 
 # ------------------------------------------------------------ refutation --
 
+def header(src: Membership, kind: str) -> dict:
+    """The header every message of ``src`` starts with (its join request is just that)."""
+    return {**src.join_request(), "type": kind}
+
+
 def _ping_from(src: Membership, dst: Membership, updates: list[dict]) -> dict:
-    msg = src._header("ping")
-    msg["target"] = dst.self_id
-    msg["updates"] = updates
-    return msg
+    return {**header(src, "ping"), "target": dst.self_id, "updates": updates}
 
 
 def rec(pid, state, inc, a=None, meta=None, mv=None):
@@ -615,15 +617,6 @@ def test_swarm_of_two_in_simulation():
 
 # ------------------------------------------------------------- validation --
 
-def snapshot(m: Membership):
-    return (
-        [(x.peer_id, x.addr, x.state, x.incarnation, x.changed_at, x.meta) for x in m.members()],
-        m.incarnation, m.epoch, list(m.events), dict(m._bcast), dict(m._mv),
-        sorted(m._probes), sorted(m._relays), list(m._order), m._order_idx, m._next_pid,
-        m.rng.getstate(), m.left,
-    )
-
-
 def _fixture():
     """p0 with two peers and an outstanding probe (so acks have something to match)."""
     ms = manual(3)
@@ -634,11 +627,11 @@ def _fixture():
         "ping": _ping_from(other, a, [rec("p9", ALIVE, 0)]),
         "ack": other.handle_ping(ping.msg, t),
         "join": Membership("nj", addr("nj"), 0.0).join_request(),
-        "join_reply": other._full_state("join_reply"),
-        "sync": other._full_state("sync"),
-        "sync_reply": other._full_state("sync_reply"),
-        "leave": {**other._header("leave"), "state": LEFT, "updates": []},
-        "ping_req": {**other._header("ping_req"), "target": "p9", "target_addr": addr("p9"),
+        "join_reply": {**other.sync_message(), "type": "join_reply"},
+        "sync": other.sync_message(),
+        "sync_reply": {**other.sync_message(), "type": "sync_reply"},
+        "leave": {**header(other, "leave"), "state": LEFT, "updates": []},
+        "ping_req": {**header(other, "ping_req"), "target": "p9", "target_addr": addr("p9"),
                      "updates": []},
     }
     return a, ping, valid, t
@@ -736,10 +729,10 @@ def test_malformed_messages_raise_and_change_nothing(kind):
     a, ping, valid, t = _fixture()
     n = 0
     for reason, msg in _bad_variants(valid, kind):
-        before = snapshot(a)
+        before = a.snapshot()
         with pytest.raises(MembershipError):
             _call(a, kind, msg, ping.probe_id, t + 0.1)
-        assert snapshot(a) == before, reason
+        assert a.snapshot() == before, reason
         n += 1
     assert n > 20
     # and the valid message is accepted
@@ -786,10 +779,10 @@ def _fix():
 @given(kind=st.sampled_from(HANDLERS), garbage=_garbage)
 def test_garbage_never_raises_anything_but_membership_error(kind, garbage):
     a, ping, valid, t = _fix()
-    before = snapshot(a)
+    before = a.snapshot()
     with pytest.raises(MembershipError):
         _call(a, kind, garbage, ping.probe_id, t + 0.1)
-    assert snapshot(a) == before
+    assert a.snapshot() == before
 
 
 @settings(max_examples=200, derandomize=True, deadline=None,
@@ -808,11 +801,11 @@ def test_mutated_valid_messages_either_apply_or_change_nothing(kind, data):
         r[fld] = data.draw(_garbage)
     else:
         msg[key] = data.draw(_garbage)
-    before = snapshot(a)
+    before = a.snapshot()
     try:
         _call(a, kind, msg, ping.probe_id, t + 0.1)
     except MembershipError:
-        assert snapshot(a) == before
+        assert a.snapshot() == before
 
 
 def test_sync_message_push_pull_merges_both_views():

@@ -113,7 +113,7 @@ def test_hand_off_keeps_the_newest_copy_and_slots_are_moving_until_installed():
     fetch = joiner.set_members(["p-a", "p-b", "p-c"], now=0.0)
     assert fetch and all(set(mv.sources) <= {"p-a", "p-b"} for mv in fetch)
     mv = fetch[0]
-    lo, _ = joiner._slot_rows(mv.table, mv.slot)
+    lo, _ = joiner.map.slot_rows(mv.table, mv.slot)
     with pytest.raises(Moving):
         joiner.read_local(mv.table, np.array([lo]))
     src = svcs[mv.sources[0]]
@@ -128,7 +128,7 @@ def test_hand_off_keeps_the_newest_copy_and_slots_are_moving_until_installed():
     assert stale.export_slot_or_fresh(other.table, other.slot) == FRESH
     assert src.export_slot_or_fresh(mv.table, mv.slot) != FRESH  # it has updates
     assert joiner.import_best(other, [FRESH]) is True
-    assert not joiner.shards[other.table].read(np.arange(*joiner._slot_rows(other.table, other.slot))).any()
+    assert not joiner.shards[other.table].read(np.arange(*joiner.map.slot_rows(other.table, other.slot))).any()
     third = fetch[2]
     real = svcs[third.sources[0]].export_slot(third.table, third.slot)
     assert joiner.import_best(third, [FRESH, real]) is True

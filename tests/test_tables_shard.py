@@ -107,7 +107,7 @@ def test_apply_grads_matches_dense_reference(kind):
         # untouched rows and their state are bit-identical to before
         touched = set(ids.tolist())
         for s, old in before.items():
-            lo, hi = sh._held[s][:2]
+            lo, hi = omap().slot_rows(SPEC.name, s)  # the map full_shard built
             keep = torch.tensor([r not in touched for r in range(lo, hi)])
             new = sh.export_slot(s)
             for k in old:
@@ -183,14 +183,14 @@ def test_export_import_round_trip_and_drop():
                 b.import_slot(s, a.export_slot(s))
     for s in b.slots():
         assert b.checksum(s) == a.checksum(s)
-    assert b._cap <= 2 * max(b.rows_held(), 64) + 64
+    assert b.rows_allocated() <= 2 * max(b.rows_held(), 64) + 64
     # reserve() pre-sizes exactly for a known slot set
     c = TableShard(SPEC, om)
     c.reserve(sum(om.slot_rows("ngram", s)[1] - om.slot_rows("ngram", s)[0] for s in range(10, 30)))
-    cap = c._cap
+    cap = c.rows_allocated()
     for s in range(10, 30):
         c.import_slot(s, a.export_slot(s))
-    assert c._cap == cap == c.rows_held()
+    assert c.rows_allocated() == cap == c.rows_held()
     assert all(c.checksum(s) == a.checksum(s) for s in range(10, 30))
 
 

@@ -6,7 +6,8 @@ move in three all_to_all stages, and everything else (rows we hold, rows owned o
 goes to ``TableClient.pull`` on the event loop at the same time.
 
   1. counts: how many keys each rank asks of each other rank;
-  2. keys: the ids, each tagged with its table (``table index << 40 | id``);
+  2. keys: the ids, each tagged with its table (``table index << 40 | id``; ``pack_keys`` and
+     ``unpack_keys``, which checks what another rank sent);
   3. rows: each owner reads what it was asked on its table thread (``TableService.read_held``)
      and sends the rows back in --row-dtype, an HTTP pull's wire dtype, so a row has the same bits
      whichever path brought it, plus one "served" flag per row.
@@ -124,36 +125,6 @@ class GroupRows:
         return per_rank, rest
 
     # -- keys ----------------------------------------------------------------------------------
-    def _pack(self, per_rank: dict[int, dict]) -> tuple[torch.Tensor, list[int], list[tuple[int, str, np.ndarray]]]:
-        keys, counts, sent = [], [0] * self.comm.world, []
-        for r in range(self.comm.world):
-            for table in sorted(per_rank.get(r, {}), key=self.table_index.__getitem__):
-                part = per_rank[r][table]
-                ids = part[0] if isinstance(part, tuple) else part
-                if not len(ids):
-                    continue
-                keys.append(ids.astype(np.int64) | (self.table_index[table] << KEY_BITS))
-                counts[r] += len(ids)
-                sent.append((r, table, ids))
-        flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(flat), counts, sent
-
-    def _unpack(self, keys: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
-        """A source's keys as (table, sorted ids) runs, or None when they are not what a rank sends."""
-        runs: list[tuple[str, np.ndarray]] = []
-        if not len(keys):
-            return runs
-        tidx, ids = keys >> KEY_BITS, keys & ((1 << KEY_BITS) - 1)
-        if np.any(np.diff(keys) <= 0) or tidx.min() < 0 or tidx.max() >= len(self.specs):
-            return None
-        for t in np.unique(tidx).tolist():
-            spec = self.specs[t]
-            sub = ids[tidx == t]
-            if sub.max() >= spec.rows:
-                return None
-            runs.append((spec.name, sub))
-        return runs
-
     def _sources(self, ex: Exchange):
         start = 0
         for s, n in enumerate(ex.recv_counts):
@@ -162,7 +133,7 @@ class GroupRows:
 
     def _exchange_keys(self, per_rank: dict[int, dict], view: str) -> tuple[Exchange, torch.Tensor]:
         views = self.comm.all_gather_text(view, width=64)
-        keys, send_counts, sent = self._pack(per_rank)
+        keys, send_counts, sent = pack_keys(per_rank, self.table_index, self.comm.world)
         recv_counts = self.comm.exchange_counts(send_counts)
         asked = self.comm.all_to_all(keys, send_counts, recv_counts).numpy()
         return Exchange(sent=sent, send_counts=send_counts, recv_counts=recv_counts, views=views, asked=asked), keys
@@ -179,7 +150,7 @@ class GroupRows:
         where the row was served."""
         out = torch.zeros(len(ex.asked), self.dim + 1, dtype=_CARRIER[self.row_dtype])
         for s, start, n in self._sources(ex):
-            runs = self._unpack(ex.asked[start:start + n])
+            runs = unpack_keys(ex.asked[start:start + n], self.specs)
             if not n or runs is None:
                 continue
             at = start
@@ -234,7 +205,7 @@ class GroupRows:
         for s, start, n in self._sources(ex):
             if not n:
                 continue
-            runs = self._unpack(ex.asked[start:start + n])
+            runs = unpack_keys(ex.asked[start:start + n], self.specs)
             if runs is None:
                 acks[s] = 0
                 continue
@@ -269,3 +240,44 @@ def merge_parts(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarra
     rows = torch.cat([p[1] for p in parts])
     order = np.argsort(ids, kind="stable")
     return ids[order], rows[torch.from_numpy(order)]
+
+
+# -- the keys of stage 2 ---------------------------------------------------------------------------
+
+def pack_keys(per_rank: dict[int, dict], table_index: dict[str, int], world: int
+              ) -> tuple[torch.Tensor, list[int], list[tuple[int, str, np.ndarray]]]:
+    """Stage 2's keys: ``per_rank`` ({rank: {table: ids or (ids, grads)}}, ids sorted-unique) as one
+    int64 tensor of ``table index << KEY_BITS | id``, rank by rank and within a rank table by table
+    in ``table_index`` order, so each rank's run is ascending. Returns (keys, how many keys go to
+    each of the ``world`` ranks, (rank, table, ids) in key order); empty parts are left out."""
+    keys, counts, sent = [], [0] * world, []
+    for r in range(world):
+        for table in sorted(per_rank.get(r, {}), key=table_index.__getitem__):
+            part = per_rank[r][table]
+            ids = part[0] if isinstance(part, tuple) else part
+            if not len(ids):
+                continue
+            keys.append(ids.astype(np.int64) | (table_index[table] << KEY_BITS))
+            counts[r] += len(ids)
+            sent.append((r, table, ids))
+    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(flat), counts, sent
+
+
+def unpack_keys(keys: np.ndarray, specs: list[TableSpec]) -> list[tuple[str, np.ndarray]] | None:
+    """One source rank's keys (as ``pack_keys`` lays them out, tables indexed by ``specs``) as
+    (table, sorted ids) runs; None when they are not what a rank sends (not strictly ascending, an
+    unknown table, an id beyond its table): keys come from another process and are checked."""
+    runs: list[tuple[str, np.ndarray]] = []
+    if not len(keys):
+        return runs
+    tidx, ids = keys >> KEY_BITS, keys & ((1 << KEY_BITS) - 1)
+    if np.any(np.diff(keys) <= 0) or tidx.min() < 0 or tidx.max() >= len(specs):
+        return None
+    for t in np.unique(tidx).tolist():
+        spec = specs[t]
+        sub = ids[tidx == t]
+        if sub.max() >= spec.rows:
+            return None
+        runs.append((spec.name, sub))
+    return runs

@@ -120,6 +120,12 @@ class TableShard:
     def rows_held(self) -> int:
         return self._n_held  # kept as slots come and go: releasing thousands of slots must not be O(n^2)
 
+    def rows_allocated(self) -> int:
+        """Rows the pool has room for: the held rows, holes dropped slots left, and room to grow.
+        The shard's memory is this many rows of values and optimizer state (see the module
+        docstring: at most about twice ``rows_held()``, and exactly it after a ``reserve``)."""
+        return self._cap
+
     def _range(self, slot) -> tuple[int, int]:
         try:
             lo, hi = self._slot_rows(slot)
