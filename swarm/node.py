@@ -29,7 +29,7 @@ from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
-from .membership import Membership, MembershipConfig, SendSync
+from .membership import Membership, MembershipConfig, SendPing, SendSync
 from .membership_shell import MembershipShell
 from .status.timeline import Timeline
 from .steptimes import StepTimes
@@ -68,7 +68,7 @@ class Progress:
     skipped_steps: int = 0
 
 
-class Peer(MembershipShell):
+class Peer:
     """One swarm peer training ``task`` (a swarm.Task; None or omitted: the built-in byte LM, sized
     by ``cfg``). ``Peer(cfg)`` is ``Peer(None, cfg)``. ``async with Peer(task, cfg) as peer:`` starts
     it (joining ``cfg.join``) and leaves the swarm at the end; ``await peer.run()`` trains."""
@@ -120,6 +120,7 @@ class Peer(MembershipShell):
         self._tasks: set[asyncio.Task] = set()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self.transport = Transport(self.counts)
+        self.shell = MembershipShell(self)  # SWIM's actions over HTTP; the table map follows the live set
         self.replica: Replica | None = None
         # the last round's combined payloads, in the replica's flat space (a host group's leader
         # broadcasts it: its ranks step on the same bits), and what combining them found
@@ -237,8 +238,8 @@ class Peer(MembershipShell):
         self.addr = f"http://{_bracket(adv_host)}:{adv_port or port}"
         self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
                                   meta={"step": 0, "active": 0, "active_from": 0})
-        self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self._addr_of,
-                                        self._suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
+        self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
+                                        self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
@@ -255,8 +256,8 @@ class Peer(MembershipShell):
             await self._join(join)
         if resume is not None:
             await self._resume(resume)
-        await self._update_map()
-        self._spawn(self._membership_loop())
+        await self.shell.update_map()
+        self._spawn(self.shell.run())
 
     # -- the swarm's settings (swarm/settings.py) ------------------------------------------------
     async def _agree_settings(self) -> None:
@@ -423,9 +424,9 @@ class Peer(MembershipShell):
         return rounds.expected(step, self.metas(live=True), self.book.active_senders(step, window=2),
                                self.robust.banned_ids(time.monotonic()), self.id, self.active)
 
-    def offer(self, decoded: Any) -> str:
-        """File a validated payload from the network (called by the /v1/grads route)."""
-        self.timeline.payload_from(decoded.sender)
+    def offer(self, decoded: Any, nbytes: int) -> str:
+        """File a validated payload of ``nbytes`` from the network (called by the /v1/grads route)."""
+        self.timeline.payload_from(decoded.sender, nbytes)
         if self.robust.banned(decoded.sender, time.monotonic()):
             self.robust.refused(decoded.sender)
             return robust.BANNED  # the route answers 403
@@ -600,7 +601,7 @@ class Peer(MembershipShell):
         self._announce(start)
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
-            self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+            self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
         while self.book.step < start and not self._stop.is_set():
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
@@ -634,7 +635,7 @@ class Peer(MembershipShell):
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             if m is not None:
-                self._spawn(self._carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+                self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
 
     def must_resync(self) -> bool:
         """Fallen too far behind the swarm, or our replica differs from the majority's."""
@@ -732,7 +733,7 @@ class Peer(MembershipShell):
 
     def suspects(self) -> set[str]:
         """Members currently suspected (their rows are asked of another owner first)."""
-        return self._suspects()
+        return self.shell.suspects()
 
     def spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` in the background for as long as the peer lives (cancelled at close)."""
@@ -750,6 +751,18 @@ class Peer(MembershipShell):
         """Wait until at most ``keep`` row pushes are still in flight."""
         while len(self._pushes) > keep:
             await asyncio.gather(self._pushes.popleft(), return_exceptions=True)
+
+    def wake(self) -> None:
+        """Look at the round again now (a payload arrived, or a peer died or left)."""
+        self._arrival.set()
+
+    def forget(self, peer_id: str) -> None:
+        """A member is gone: its send queue goes (its sender task ends on its own)."""
+        self._outboxes.pop(peer_id, None)
+
+    async def forward_ping(self, ping: SendPing) -> dict:
+        """For /v1/ping-req: ping the target on a requester's behalf."""
+        return await self.shell.forward_ping(ping)
 
     def follow(self, step: int, leader: str) -> None:
         """A rank of a host group took its leader's state of ``step``: it trains from there."""
@@ -816,7 +829,7 @@ class Peer(MembershipShell):
     async def after_step(self, step: int, loss: float) -> None:
         """After a step was applied: tell the swarm, keep the status series, evaluate, checkpoint, print."""
         self.members.set_meta(step=self.book.step)
-        self.timeline.record_step(self, step, loss)  # also shares loss and tok/s as meta
+        self.members.set_meta(**self.timeline.record_step(self, step, loss))  # our loss and tok/s for the others
         if self.cfg.sketch_every and (self.book.step % self.cfg.sketch_every == 0 or self.book.step == FIRST_CHECK):
             await self.publish_sketch()
             if self._auditing is None or self._auditing.done():
@@ -937,7 +950,7 @@ class Peer(MembershipShell):
             while any(not q.empty() for q in self._outboxes.values()) and time.monotonic() - t0 < 3.0:
                 await asyncio.sleep(0.05)
             actions = self.members.leave(time.monotonic())
-            await asyncio.gather(*(self._carry_out(a) for a in actions), return_exceptions=True)
+            await asyncio.gather(*(self.shell.carry_out(a) for a in actions), return_exceptions=True)
             self._event("left", "")
         self.lifecycle.to(State.LEFT, time.monotonic())
         self._stop.set()

@@ -29,14 +29,14 @@ from .wire import (BODY, INLINE_BYTES, PROTOCOL_VERSION, BadRequest, error_respo
 if TYPE_CHECKING:
     from .node import Peer
 
-PEER = web.AppKey("peer", object)
+PEER: web.AppKey[Peer] = web.AppKey("peer")
 CONTROL_LIMIT = 256 * 1024  # membership and join messages
 CONTROL_PATHS = ("/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave")
 # the status routes --status-auth 1 closes (/static/* stays open: the page's assets hold no data)
 STATUS_PATHS = ("/", "/api/status", "/api/events", "/metrics")
 STATUS_COOKIE = "swarm_status"
-VERIFIER = web.AppKey("verifier", object)  # auth.Verifier, or None: no --secret, nothing is checked
-STATUS_TOKEN = web.AppKey("status_token", object)  # str, or None: the status routes are open
+VERIFIER: web.AppKey[auth.Verifier | None] = web.AppKey("verifier")  # None: no --secret, nothing is checked
+STATUS_TOKEN: web.AppKey[str | None] = web.AppKey("status_token")  # None: the status routes are open
 # Every authentication failure gets exactly this answer, whatever failed (docs/security.md).
 UNAUTHORIZED_REASON = "unauthorized: this peer only answers requests signed with the swarm's --secret (HTTP 401)"
 
@@ -219,7 +219,7 @@ async def grads(request: web.Request) -> web.Response:
         peer.rejected["sender"] += 1
         raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409,
                          code="unknown-sender")
-    verdict = peer.offer(decoded)
+    verdict = peer.offer(decoded, len(body))
     if verdict == robust.BANNED:
         peer.rejected["banned"] += 1
         raise BadRequest(f"sender {decoded.sender[:16]!r} is banned for now: its recent payloads were outliers or "

@@ -15,36 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # interface): (file, expression) as the failure message spells them. Remove an entry when its access
 # is gone (an entry that matches nothing fails the test too); add none.
 PENDING = {
-    # the group runner drives the peer's loop through its privates
-    ("swarm/group/runner.py", "self.peer._drain_pushes"),
-    ("swarm/group/runner.py", "self.peer._event"),
-    ("swarm/group/runner.py", "p._until_ready"),
-    ("swarm/group/runner.py", "p._stop"),
-    ("swarm/group/runner.py", "p._resync"),
-    ("swarm/group/runner.py", "p._event"),
-    ("swarm/group/runner.py", "p._broadcast"),
-    ("swarm/group/runner.py", "p._suspects"),
-    ("swarm/group/runner.py", "p._drain_pushes"),
-    ("swarm/group/runner.py", "p._pushes"),
-    ("swarm/group/runner.py", "p._spawn"),
-    # MembershipShell is a mixin of node.Peer: each uses the other's privates through self
-    ("swarm/membership_shell.py", "self._stop"),
-    ("swarm/membership_shell.py", "self._spawn"),
-    ("swarm/membership_shell.py", "self._arrival"),
-    ("swarm/membership_shell.py", "self._outboxes"),
-    ("swarm/membership_shell.py", "self._event"),
-    ("swarm/node.py", "self._addr_of"),
-    ("swarm/node.py", "self._suspects"),
-    ("swarm/node.py", "self._update_map"),
-    ("swarm/node.py", "self._membership_loop"),
-    ("swarm/node.py", "self._carry_out"),
-    # the status routes read a timeline private and the peer's stop event
-    ("swarm/status/routes.py", "from .timeline import _INCOMING"),
-    ("swarm/status/routes.py", "getattr(peer, '_stop', None)"),
     # tests that need an observation point node.py / tables/http.py do not offer yet
     ("tests/group_worker.py", "peer.table_client._pull_from"),
-    ("tests/group_worker.py", "peer._drain_pushes"),
-    ("tests/test_group.py", "from swarm.node import _follower"),
 }
 
 

@@ -18,15 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from .timeline import _INCOMING
-
 if TYPE_CHECKING:
     from ..node import Peer
 
 STATIC = Path(__file__).resolve().parent / "static"
 SSE_INTERVAL = 1.0  # seconds between two /api/events messages
 
-STATUS_PEER = web.AppKey("status_peer", object)
+STATUS_PEER: web.AppKey[Peer] = web.AppKey("status_peer")
 CLOSING = web.AppKey("status_closing", asyncio.Event)
 REGISTRY = web.AppKey("status_registry", CollectorRegistry)
 
@@ -38,7 +36,6 @@ def setup(app: web.Application, peer: "Peer") -> None:
     registry = CollectorRegistry(auto_describe=True)  # one per peer: several peers share a test process
     registry.register(PeerCollector(peer))
     app[REGISTRY] = registry
-    app.middlewares.append(count_payload_bytes)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_get("/", index)
     app.router.add_get("/api/events", events)
@@ -63,7 +60,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     try:
         await resp.write(b"retry: 2000\n\n")
-        while not closing.is_set() and not _stopping(peer):
+        while not closing.is_set() and not peer.stopping:
             data = json.dumps(peer.status(), separators=(",", ":"), default=_json_default)
             await resp.write(f"event: status\ndata: {data}\n\n".encode())
             try:
@@ -80,11 +77,6 @@ async def events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _stopping(peer: "Peer") -> bool:
-    stop = getattr(peer, "_stop", None)
-    return bool(stop is not None and stop.is_set())
-
-
 def _json_default(o):
     return str(o)
 
@@ -92,23 +84,6 @@ def _json_default(o):
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-@web.middleware
-async def count_payload_bytes(request: web.Request, handler):
-    """Attribute each POST /v1/grads body's size to its sender (known once Peer.offer sees it)."""
-    if request.method != "POST" or request.path != "/v1/grads":
-        return await handler(request)
-    box: dict = {}
-    token = _INCOMING.set(box)
-    try:
-        return await handler(request)
-    finally:
-        _INCOMING.reset(token)
-        sender, size = box.get("sender"), request.content_length
-        timeline = getattr(request.app[STATUS_PEER], "timeline", None)
-        if sender and size and timeline is not None:
-            timeline.link(sender).bytes_in += size
 
 
 class PeerCollector(Collector):

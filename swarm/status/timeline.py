@@ -9,7 +9,6 @@ long the run is.
 from __future__ import annotations
 
 import collections
-import contextvars
 import math
 import time
 from dataclasses import dataclass
@@ -21,9 +20,6 @@ if TYPE_CHECKING:
 CAP = 600  # points per series
 LOG_CAP = 200  # entries in the rejected-payload log
 
-# Set by the status middleware around POST /v1/grads, so that the payload's sender (known only once
-# the body is decoded, in Peer.offer) can be matched with the request's size.
-_INCOMING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("swarm_incoming", default=None)
 
 
 class Series:
@@ -119,17 +115,16 @@ class Timeline:
     def sent_to(self, peer_id: str, nbytes: int) -> None:
         self.link(peer_id).bytes_out += nbytes
 
-    def payload_from(self, peer_id: str) -> None:
-        """A decoded payload from ``peer_id`` reached the round book (its size comes from the middleware)."""
+    def payload_from(self, peer_id: str, nbytes: int) -> None:
+        """A decoded payload of ``nbytes`` from ``peer_id`` reached the round book."""
         lk = self.link(peer_id)
         lk.payloads_in += 1
+        lk.bytes_in += nbytes
         lk.last_seen = time.monotonic()
-        box = _INCOMING.get()
-        if box is not None:
-            box["sender"] = peer_id
 
-    def record_step(self, peer: "Peer", step: int, loss: float) -> None:
-        """After each applied round: this peer's loss, the swarm's, the wire, and meta for the others."""
+    def record_step(self, peer: "Peer", step: int, loss: float) -> dict[str, Any]:
+        """After each applied round: this peer's loss, the swarm's, the wire. Returns what the peer
+        tells the others of itself (meta: throughput and recent loss); the timeline only reads the peer."""
         now = time.time()
         finite = isinstance(loss, (int, float)) and math.isfinite(loss)
         if finite:
@@ -142,13 +137,13 @@ class Timeline:
         meta: dict[str, Any] = {"tps": int(done / elapsed) if elapsed > 0 else 0}
         if self.recent_losses:
             meta["loss"] = round(sum(self.recent_losses) / len(self.recent_losses), 4)
-        peer.members.set_meta(**meta)
         swarm = swarm_loss(peer)
         if swarm is not None:
             self.swarm_loss.add(now, step, swarm)
         self.wire.add(now, sum(peer.counts.sent.values()), sum(peer.counts.received.values()),
                       p.wire_bytes, p.dense_equiv)
         self.poll(peer)
+        return meta
 
     def poll(self, peer: "Peer") -> None:
         """Pick up what the peer records elsewhere: new validation losses, rejection counters."""
