@@ -201,4 +201,7 @@ async def _run(cfg: PeerConfig) -> int:
         await peer.close()
         return 2
     print(json.dumps(summary), flush=True)
+    if summary.get("failure"):  # a task the peer cannot do without stopped it (its traceback is in the log)
+        sys.stderr.write(f"peer.py: error: {summary['failure']}\n")
+        return 1
     return 0

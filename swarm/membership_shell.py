@@ -35,7 +35,7 @@ class MembershipShell:
         last_release = time.monotonic()
         while not p.stopping:
             for action in p.members.tick(time.monotonic()):
-                p.spawn(self.carry_out(action))
+                p.spawn(self.carry_out(action), "membership-action")
             alive, live = set(p.members.alive_ids()), set(p.members.live_ids())
             if alive != alive_before:
                 p.wake()  # a round may now be complete (a peer died or left)
@@ -56,7 +56,7 @@ class MembershipShell:
         fetch = await p.table_work(p.tables.set_members, p.members.live_ids(), time.monotonic())
         if fetch:
             p.event("handoff", f"fetching {len(fetch)} slots (view {p.tables.view})")
-            p.spawn(p.table_client.fetch(fetch))
+            p.spawn(p.table_client.fetch(fetch), "handoff")
 
     def addr_of(self, peer_id: str) -> str | None:
         """A live (alive or suspect) member's address, else None."""
@@ -79,7 +79,7 @@ class MembershipShell:
                 if isinstance(e, MembershipError):
                     p.rejected["membership"] += 1
                 for req in p.members.probe_failed(action.probe_id, now()):
-                    p.spawn(self.carry_out(req))
+                    p.spawn(self.carry_out(req), "membership-action")
         elif isinstance(action, SendPingReq):
             try:
                 reply = await p.transport.call(action.via_addr, "/v1/ping-req", action.msg, timeout=action.timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import checkpoint, divergence, gossip, robust, threads
+from . import checkpoint, divergence, robust, roundbook, threads
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, parse_hostport
@@ -100,16 +101,21 @@ class Peer:
         self.dense_bytes = 0  # what sending dense fp32 gradients to the same targets would have cost
         self.progress = Progress()
         self.step_times = StepTimes()  # where each step's wall time goes (summary, /api/status)
-        self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
+        self.book = roundbook.RoundBook(max_staleness=cfg.max_staleness)
         self.rejected: collections.Counter[str] = collections.Counter()
         # per-sender scores, outlier counts and bans (swarm/robust.py; docs/design.md "Robust aggregation")
         self.robust = robust.Scoreboard(robust.ScoreConfig(ban_seconds=cfg.ban_seconds))
         self.events: collections.deque[dict] = collections.deque(maxlen=200)
         self.timeline = Timeline()  # the status page's bounded series and per-peer link stats
+        # what the peer holds is released in the reverse order it was taken, by close() (also when
+        # start() fails half-way): the threads last, after the server, the transport and the group
+        self._exit = contextlib.AsyncExitStack()
         self._pool = threads.pool(threads.TRAIN, 1, self.id[:6])
+        self._exit.callback(self._pool.shutdown, wait=True, cancel_futures=True)
         # the table shard is touched by one thread only, separate from training so that serving
         # other peers' pulls never waits for our forward/backward
         self._table_pool = threads.pool(threads.TABLES, 1, self.id[:6])
+        self._exit.callback(self._table_pool.shutdown, wait=True, cancel_futures=True)
         self.tables: TableService | None = None
         self.table_client: TableClient | None = None
         self._pushes: collections.deque[asyncio.Task] = collections.deque()
@@ -120,6 +126,10 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._outboxes: dict[str, asyncio.Queue] = {}
         self.transport = Transport(self.counts)
+        self._exit.push_async_callback(self.transport.close)
+        # background tasks whose failure was an event: by task name (/metrics swarm_task_failures)
+        self.task_failures: collections.Counter[str] = collections.Counter()
+        self.failure: str | None = None  # why a task the peer cannot do without stopped it
         self.shell = MembershipShell(self)  # SWIM's actions over HTTP; the table map follows the live set
         self.replica: Replica | None = None
         # the last round's combined payloads, in the replica's flat space (a host group's leader
@@ -190,7 +200,15 @@ class Peer:
         return 4 * model_bytes + (16 << 20)
 
     async def start(self) -> None:
-        """Build the replica, start serving, and join the swarm if --join was given."""
+        """Build the replica, start serving, and join the swarm if --join was given. A start that
+        fails half-way releases what it took (close) before the error goes on."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         torch.set_num_threads(self.cfg.threads)
         genv = self.group_env
         device = pick_device(self.cfg.device, genv.local_rank if genv else 0)
@@ -199,6 +217,7 @@ class Peer:
             # forming the group blocks until every rank is there: on the training thread, where all
             # of this rank's collectives run
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
+            self._exit.push_async_callback(asyncio.to_thread, comm.close)
             # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
             self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
         from . import auth  # docs/security.md
@@ -226,6 +245,7 @@ class Peer:
             print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
         await self._runner.setup()
+        self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
         site = web.TCPSite(self._runner, self.cfg.host, port)
         await site.start()
@@ -241,6 +261,7 @@ class Peer:
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
+        self._exit.callback(self.table_client.batcher.close)
         self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
         if generated:
@@ -257,7 +278,7 @@ class Peer:
         if resume is not None:
             await self._resume(resume)
         await self.shell.update_map()
-        self._spawn(self.shell.run())
+        self._spawn(self.shell.run(), "membership", critical=True)
 
     # -- the swarm's settings (swarm/settings.py) ------------------------------------------------
     async def _agree_settings(self) -> None:
@@ -282,7 +303,7 @@ class Peer:
                 raise JoinError(clash)
             swarm_settings.adopt(cfg, info["settings"])
         self.settings = swarm_settings.of(cfg)
-        self.book = gossip.RoundBook(max_staleness=cfg.max_staleness)
+        self.book = roundbook.RoundBook(max_staleness=cfg.max_staleness)
         self.robust_cfg = robust.RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
 
     async def _swarm_info(self, join: str) -> dict:
@@ -431,7 +452,7 @@ class Peer:
             self.robust.refused(decoded.sender)
             return robust.BANNED  # the route answers 403
         verdict = self.book.offer(decoded)
-        if verdict in (gossip.ACCEPTED, gossip.LATE):
+        if verdict in (roundbook.ACCEPTED, roundbook.LATE):
             self._arrival.set()
         return verdict
 
@@ -457,7 +478,8 @@ class Peer:
             q = self._outboxes.get(pid)
             if q is None:
                 q = self._outboxes[pid] = asyncio.Queue(maxsize=4)
-                self._spawn(self._sender(pid, m.addr, q))
+                self._spawn(self._sender(pid, m.addr, q), f"sender:{pid[:8]}", on_failure=lambda pid=pid, q=q: (
+                    self._outboxes.pop(pid, None) if self._outboxes.get(pid) is q else None))
             if q.full():
                 q.get_nowait()
                 self.dropped_sends += 1
@@ -601,7 +623,7 @@ class Peer:
         self._announce(start)
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
-            self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+            self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
         while self.book.step < start and not self._stop.is_set():
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
@@ -635,7 +657,7 @@ class Peer:
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             if m is not None:
-                self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())))
+                self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
 
     def must_resync(self) -> bool:
         """Fallen too far behind the swarm, or our replica differs from the majority's."""
@@ -687,19 +709,17 @@ class Peer:
                 batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
                 prefetched = None
                 clock.mark("rows")
-                stats, flat, row_grads = await self.work(self.replica.compute, batch, want, rows)
+                stats, row_grads, enc = await self.work(self._compute, batch, want, rows, step, role.reducer,
+                                                        role.gossips)
                 clock.mark("compute")
                 self.check_finite(stats, step)
                 last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
                 if last:  # the last rows go out before the last payload (_settle_rows relies on it)
                     await role.push(row_grads, missing, step)
-                await role.reduce(flat)
-                enc = None
-                if role.gossips:
+                if enc is not None:
                     # the payload before the row pushes: the round waits for it, while row pushes only
                     # need to land within the owners' push window (on a slow link, bytes queued ahead
                     # of it delay everyone)
-                    enc = await self.work(self.compressor.compress, flat, step)
                     self.book.offer(enc.decoded)
                     self._broadcast(enc)
                 if role.prefetch and self.cfg.prefetch and not last:
@@ -719,6 +739,15 @@ class Peer:
         await role.end()
         await self.drain_pushes(keep=0)
 
+    def _compute(self, batch, want, rows, step: int, reducer: Callable[[torch.Tensor], None] | None,
+                 gossip: bool) -> tuple[StepStats, dict, Encoded | None]:
+        """Forward/backward, the role's reduction of the dense gradient (a host group's all_reduce),
+        and the payload of the result: one trip to the training thread."""
+        stats, flat, row_grads = self.replica.compute(batch, want, rows)
+        if reducer is not None:
+            reducer(flat)
+        return stats, row_grads, self.compressor.compress(flat, step) if gossip else None
+
     async def _fetch_batch(self, role: "Role") -> tuple[Any, dict, dict, dict]:
         """The next batch and its table rows, pulled from their owners as the role does it."""
         batch, want = await self.sample_batch()
@@ -735,9 +764,10 @@ class Peer:
         """Members currently suspected (their rows are asked of another owner first)."""
         return self.shell.suspects()
 
-    def spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` in the background for as long as the peer lives (cancelled at close)."""
-        return self._spawn(coro)
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        """Run ``coro`` in the background for as long as the peer lives (cancelled at close); its
+        failure is an event and counts in swarm_task_failures{task=name}."""
+        return self._spawn(coro, name)
 
     def event(self, kind: str, detail: str) -> None:
         """A line in the peer's event log (status page, /api/events)."""
@@ -802,12 +832,12 @@ class Peer:
             p.dense_equiv += enc.dense_bytes
             p.skipped_steps = self.compressor.skipped_steps
 
-    def apply_round(self, result: gossip.RoundResult) -> int:
+    def apply_round(self, result: roundbook.RoundResult) -> int:
         """Combine a round's payloads by the swarm's rule into ``aggregate`` and step the replica on
         it (training thread). Returns how many contributions it combined; ``last_report`` keeps
         their norms and verdicts (the scoreboard reads them)."""
         self.aggregate.zero_()
-        self.last_report = gossip.aggregate_report(self.aggregate, result, self.robust_cfg)
+        self.last_report = roundbook.aggregate_report(self.aggregate, result, self.robust_cfg)
         self.replica.apply_aggregate(self.aggregate, result.step, self.last_report.count)
         return self.last_report.count
 
@@ -833,7 +863,7 @@ class Peer:
         if self.cfg.sketch_every and (self.book.step % self.cfg.sketch_every == 0 or self.book.step == FIRST_CHECK):
             await self.publish_sketch()
             if self._auditing is None or self._auditing.done():
-                self._auditing = self._spawn(self.audit_tables())  # off the step's path
+                self._auditing = self._spawn(self.audit_tables(), "table-audit")  # off the step's path
         self.check_divergence()
         self.progress.lr_history.append((self.book.step, self.replica.lr()))
         if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
@@ -957,26 +987,44 @@ class Peer:
         await self.close()
 
     async def close(self) -> None:
+        """Stop every background task, then release what start() took, newest first (idempotent)."""
         self._stop.set()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.table_client is not None:
-            self.table_client.batcher.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        await self.transport.close()
-        if self.group is not None:
-            await asyncio.to_thread(self.group.comm.close)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._table_pool.shutdown(wait=True, cancel_futures=True)
+        while self._tasks:  # a task being cancelled may spawn another (a last sync): until none is left
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.difference_update(tasks)
+        self._runner = None
+        await self._exit.aclose()
 
-    # -- reporting -----------------------------------------------------------------------------
-    def _spawn(self, coro) -> asyncio.Task:
+    # -- background tasks ------------------------------------------------------------------------
+    def _spawn(self, coro, name: str, critical: bool = False, on_failure: Callable[[], Any] | None = None
+               ) -> asyncio.Task:
+        """A background task that lives no longer than the peer (close cancels it) and whose
+        exception is never lost. Rules: a failure is logged with its traceback, an event
+        (``task-failed``) and a count (swarm_task_failures{task}); ``on_failure`` then runs (a
+        payload sender's queue is dropped, so the next broadcast starts a new sender: the restart
+        rule); a ``critical`` task (the membership loop: without it the peer is blind) stops the
+        peer, and its summary says why."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if t.cancelled() or t.exception() is None:
+                return
+            e = t.exception()
+            log.error("background task %s failed", name, exc_info=e)
+            self.task_failures[name.split(":")[0]] += 1
+            self._event("task-failed", f"{name}: {type(e).__name__}: {e}"[:300])
+            if on_failure is not None:
+                on_failure()
+            if critical and not self._stop.is_set():
+                self.failure = f"the {name} task failed: {type(e).__name__}: {e}"[:300]
+                self.stop()
+
+        task.add_done_callback(done)
         return task
 
     def _event(self, kind: str, detail: str) -> None:
@@ -1022,6 +1070,8 @@ class Peer:
             "lr_history": [[s, lr] for s, lr in p.lr_history],
             "settings": dict(self.settings),
             "resyncs": dict(self.resyncs),
+            "task_failures": dict(self.task_failures),
+            "failure": self.failure,
             "group": self.group.status() if self.group is not None else None,
         }
 
@@ -1071,6 +1121,7 @@ class Peer:
             "sketch_step": self.sketch_note.step if self.sketch_note is not None else None,
             "settings": dict(self.settings),
             "resyncs": dict(self.resyncs),
+            "task_failures": dict(self.task_failures),
             "tables": self.tables.status() if self.tables is not None else None,
             "rows": self.table_client.status() if self.table_client is not None else None,
             "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
@@ -1089,6 +1140,8 @@ class Role(Protocol):
     """Where a peer's step gets its rows, its reduced gradient and its round (Peer.steps)."""
     gossips: bool  # it compresses and sends the step's payload (a plain peer, a host group's leader)
     prefetch: bool  # the next step's rows may be pulled while this step's round completes
+    # in place on the training thread, after backward: the gradient the payload carries (None: as is)
+    reducer: Callable[[torch.Tensor], None] | None
 
     async def begin(self) -> bool: ...  # before the first step; False: do not train
 
@@ -1100,8 +1153,6 @@ class Role(Protocol):
 
     async def push(self, row_grads: dict, missing: dict, step: int) -> None: ...
 
-    async def reduce(self, flat: torch.Tensor) -> None: ...  # in place: the gradient the round carries
-
     async def round(self, step: int) -> None: ...  # take round ``step`` and step the replica
 
     async def end(self) -> None: ...
@@ -1111,6 +1162,7 @@ class Solo:
     """A plain peer's role: its own rows over HTTP, its own gradient, its own payload and round."""
     gossips = True
     prefetch = True
+    reducer = None  # one process: its gradient is the peer's
 
     def __init__(self, peer: Peer):
         self.peer = peer
@@ -1133,9 +1185,6 @@ class Solo:
 
     async def push(self, row_grads: dict, missing: dict, step: int) -> None:
         await self.peer.push_rows(row_grads, missing, step)
-
-    async def reduce(self, flat: torch.Tensor) -> None:
-        return None  # one process: its gradient is the peer's
 
     async def round(self, step: int) -> None:
         await self.peer.take_round(step)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import auth, gossip, robust, settings
+from . import auth, robust, roundbook, settings
 from .config import ConfigError
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .codec.config import MAX_SPARSE_RATIO
@@ -224,7 +224,7 @@ async def grads(request: web.Request) -> web.Response:
         peer.rejected["banned"] += 1
         raise BadRequest(f"sender {decoded.sender[:16]!r} is banned for now: its recent payloads were outliers or "
                          "invalid (docs/design.md, \"Robust aggregation\")", 403, code="banned")
-    if verdict not in (gossip.ACCEPTED, gossip.LATE):
+    if verdict not in (roundbook.ACCEPTED, roundbook.LATE):
         peer.rejected[verdict] += 1
         raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})",
                          409, code=verdict)

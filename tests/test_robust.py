@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm import gossip, robust
+from swarm import robust, roundbook
 from swarm.codec.wire import Decoded
 from swarm.config import ConfigError
 from swarm.cli import parse_config
@@ -58,12 +58,12 @@ def test_mean_is_the_historical_aggregate_bit_for_bit():
     ref = torch.zeros(1000)
     for c in cs:
         c.add_to(ref, 1.0 / 3)  # divisor: 3 on time, the fourth late
-    r = gossip.RoundResult(step=1, on_time=cs[:3], late=cs[3:], missing=[], timed_out=False)
+    r = roundbook.RoundResult(step=1, on_time=cs[:3], late=cs[3:], missing=[], timed_out=False)
     out = torch.zeros(1000)
-    assert gossip.aggregate_into(out, r) == 4
+    assert roundbook.aggregate_into(out, r) == 4
     assert torch.equal(out, ref)
     out2 = torch.zeros(1000)
-    assert gossip.aggregate_into(out2, r, RobustConfig(rule="mean", msg_clip=0)) == 4
+    assert roundbook.aggregate_into(out2, r, RobustConfig(rule="mean", msg_clip=0)) == 4
     assert torch.equal(out2, ref)
 
 
@@ -123,9 +123,9 @@ def test_centered_clip_bounds_an_attacker_that_the_mean_follows():
 
 def test_late_payloads_are_contributors_of_the_robust_rule():
     cs = random_round(3, 500, 30, seed=6)
-    r = gossip.RoundResult(step=2, on_time=cs[:2], late=cs[2:], missing=[], timed_out=False)
+    r = roundbook.RoundResult(step=2, on_time=cs[:2], late=cs[2:], missing=[], timed_out=False)
     out = torch.zeros(500)
-    rep = gossip.aggregate_report(out, r, CC)
+    rep = roundbook.aggregate_report(out, r, CC)
     assert rep.rule == "centered-clip" and rep.count == 3 and rep.senders == ["p0", "p1", "p2"]
 
 

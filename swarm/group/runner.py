@@ -8,9 +8,10 @@ A step is the same sequence of collectives on every rank, in this order:
 
   rows:   pull (counts, keys, rows) from the group's owners while the HTTP share runs on the loop
   compute forward and backward on this rank's own batch
-  dense:  all_reduce (mean of the ranks' gradients); the leader then sends the group's one payload
+  dense:  all_reduce (mean of the ranks' gradients, in the compute job); the leader then sends the
+          group's one payload
   rows:   push (counts, keys, gradients, acks) to the group's primaries, the rest over HTTP
-          (on the last step the pushes come before the reduction, as on a plain peer)
+          (on the last step the pushes come before the payload, as on a plain peer)
   round:  the leader takes the round as any peer does and broadcasts the aggregate it stepped on;
           the others step on the same bits
 
@@ -135,9 +136,10 @@ class HostGroup:
         p.members.set_meta(step=step)
         p.follow(step, self.rank_ids[0])
 
-    async def reduce(self, flat: torch.Tensor) -> None:
-        """The mean of the ranks' dense gradients, in place."""
-        await self.peer.work(self.comm.all_reduce_mean_, flat)
+    @property
+    def reducer(self) -> Callable[[torch.Tensor], None]:
+        """The mean of the ranks' dense gradients, in place (on the training thread, in the step's job)."""
+        return self.comm.all_reduce_mean_
 
     async def round(self, step: int) -> None:
         """The leader takes the round as any peer does and hands every rank the aggregate it stepped
@@ -203,7 +205,7 @@ class HostGroup:
         ex = await p.work(self.rows.send_grads, per_rank, omap.view)
         acks, forward = await p.table_work(self.rows.apply, p.tables, ex, step)
         if forward:
-            p.spawn(replicate(p.table_client, forward))
+            p.spawn(replicate(p.table_client, forward), "replicate")
         refused = await p.work(self.rows.exchange_acks, ex, acks, per_rank)
         if refused:
             by_table: dict[str, list] = {}

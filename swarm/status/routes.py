@@ -115,6 +115,11 @@ class PeerCollector(Collector):
         for cause in ("lag", "diverged"):
             resyncs.add_metric([cause], p.resyncs.get(cause, 0))
         yield resyncs
+        failures = CounterMetricFamily("swarm_task_failures", "Background tasks of this peer that failed, by task "
+                                       "(each is a task-failed event).", labels=["task"])
+        for task, n in sorted(p.task_failures.items()):
+            failures.add_metric([task], n)
+        yield failures
         if p.tables is not None:
             yield _counter("swarm_table_replicas_repaired", "Replica slots of the sharded tables that differed from "
                            "their primary's copy (update count or checksum) and were replaced by it.",

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from swarm import gossip
-from swarm.gossip import RoundBook, aggregate_into
+from swarm import roundbook
+from swarm.roundbook import RoundBook, aggregate_into
 
 
 @dataclass
@@ -22,7 +22,7 @@ class C:
 def test_round_waits_for_every_expected_peer_then_completes():
     book = RoundBook()
     exp = {"a", "b", "c"}
-    assert book.offer(C(0, "a")) == gossip.ACCEPTED
+    assert book.offer(C(0, "a")) == roundbook.ACCEPTED
     assert not book.ready(0, exp, now=0.0, timeout=5.0)
     book.offer(C(0, "c"))
     assert book.missing(0, exp) == ["b"]
@@ -47,8 +47,8 @@ def test_late_payload_joins_the_next_round_once():
     book = RoundBook()
     book.offer(C(0, "a"))
     book.take(0, {"a"}, now=0, timeout=1)
-    assert book.offer(C(0, "b", 2.0)) == gossip.LATE
-    assert book.offer(C(0, "b", 2.0)) == gossip.DUPLICATE
+    assert book.offer(C(0, "b", 2.0)) == roundbook.LATE
+    assert book.offer(C(0, "b", 2.0)) == roundbook.DUPLICATE
     book.offer(C(1, "a"))
     book.offer(C(1, "b"))
     r = book.take(1, {"a", "b"}, now=0, timeout=1)
@@ -56,18 +56,18 @@ def test_late_payload_joins_the_next_round_once():
     out = torch.zeros(1)
     assert aggregate_into(out, r) == 3
     assert out.item() == pytest.approx((1 + 1 + 2) / 2)  # mean over on-time senders, late joins with same weight
-    assert book.offer(C(0, "b")) == gossip.DUPLICATE  # already applied as a late payload
-    assert book.offer(C(1, "a")) == gossip.DUPLICATE  # already applied on time
+    assert book.offer(C(0, "b")) == roundbook.DUPLICATE  # already applied as a late payload
+    assert book.offer(C(1, "a")) == roundbook.DUPLICATE  # already applied on time
 
 
 def test_duplicates_far_future_and_stale_are_refused():
     book = RoundBook(max_ahead=8, max_staleness=2)
-    assert book.offer(C(3, "a")) == gossip.ACCEPTED
-    assert book.offer(C(3, "a")) == gossip.DUPLICATE
-    assert book.offer(C(8, "a")) == gossip.TOO_FAR_AHEAD
+    assert book.offer(C(3, "a")) == roundbook.ACCEPTED
+    assert book.offer(C(3, "a")) == roundbook.DUPLICATE
+    assert book.offer(C(8, "a")) == roundbook.TOO_FAR_AHEAD
     book.reset(10)
-    assert book.offer(C(7, "a")) == gossip.TOO_OLD
-    assert book.offer(C(8, "a")) == gossip.LATE
+    assert book.offer(C(7, "a")) == roundbook.TOO_OLD
+    assert book.offer(C(8, "a")) == roundbook.LATE
     assert 3 not in book.pending  # reset drops what is older than the new step
 
 
