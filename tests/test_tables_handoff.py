@@ -151,6 +151,17 @@ def test_at_the_deadline_the_moves_left_are_given_up():
     assert plan.next_round(1.0, MEMBERS, lambda p: False, awaited) == Done(tuple(moves))
 
 
+def test_a_move_superseded_before_the_deadline_is_not_given_up():
+    """The last wait before the deadline: a newer view took the slot away and gave it back (a new
+    Move, fetched by another chunk). Giving up the old move would restart that slot from zeros."""
+    moves = chunk()
+    plan = HandoffPlan(moves, started=0.0)
+    rnd = plan.next_round(0.0, MEMBERS, everyone_up, awaited)
+    assert isinstance(plan.after_install({m: False for m in rnd.moves}, awaited), Sleep)
+    superseded = {moves[0]}
+    assert plan.next_round(DEADLINE_S, MEMBERS, everyone_up, lambda m: m not in superseded) == Done(tuple(moves[1:]))
+
+
 def test_a_chunk_is_distinct_slots_of_one_table():
     with pytest.raises(ValueError):
         HandoffPlan([Move("t", 0, ME, ("p-a",)), Move("u", 1, ME, ("p-a",))], started=0.0)
@@ -257,3 +268,43 @@ def test_the_newest_of_the_old_owners_copies_wins_not_the_first_offered():
     carry_out(c2, [fetch2[mv.slot] for mv in both], {"p-a": a, "p-b": b}, down={"p-b"})
     for mv in both:
         assert c2.shards["ngram"].checksum(mv.slot) == a.shards["ngram"].checksum(mv.slot)
+
+
+def superseded_move(svc: TableService) -> tuple[Move, Move]:
+    """A slot ``svc`` (p-b, one replica, 16 slots) owned under [p-a, p-b], lost to p-d under
+    [p-a, p-b, p-d] and owns again, from p-d, under [p-a, p-b]: (the first view's move, the third's)."""
+    first = {(mv.table, mv.slot): mv for mv in svc.set_members(["p-a", "p-b"], 0.0)}
+    svc.set_members(["p-a", "p-b", "p-d"], 0.0)
+    third = {(mv.table, mv.slot): mv for mv in svc.set_members(["p-a", "p-b"], 0.0)}
+    key = next(k for k in third if k in first)
+    assert first[key] is not third[key] and svc.moving[key] is third[key] and third[key].sources == ("p-d",)
+    return first[key], third[key]
+
+
+def test_giving_up_a_superseded_move_leaves_the_newer_fetch_alone():
+    b = TableService("p-b", SPECS, replicas=1, slots=16)
+    old, new = superseded_move(b)
+    b.give_up(old)  # the first view's fetch reached its deadline
+    assert b.moving[(new.table, new.slot)] is new and not b.shards[new.table].has_slot(new.slot)
+    assert b.stats.slots_lost == 0
+    b.give_up(new)
+    assert b.stats.slots_lost == 1 and (new.table, new.slot) not in b.moving
+
+
+def test_the_old_fetch_at_its_deadline_does_not_cost_the_newer_fetch_its_slot():
+    """Both fetches carried out: the old one's plan drops its superseded move, the newer one installs
+    the copy its source (p-d, holding it) offers."""
+    d = TableService("p-d", SPECS, replicas=1, slots=16)
+    d.set_members(["p-d"], 0.0)
+    pushed(d, "x")
+    b = TableService("p-b", SPECS, replicas=1, slots=16)
+    old, new = superseded_move(b)
+    still_pending = lambda mv: b.moving.get((mv.table, mv.slot)) is mv  # noqa: E731
+    plan = HandoffPlan([old], started=0.0)
+    done = plan.next_round(DEADLINE_S, b.map.members, everyone_up, still_pending)
+    assert done == Done(())
+    for mv in done.give_up:  # what the shell does with it
+        b.give_up(mv)
+    carry_out(b, [new], {"p-d": d})
+    assert b.shards["ngram"].checksum(new.slot) == d.shards["ngram"].checksum(new.slot)
+    assert b.stats.slots_lost == 0 and b.stats.slots_fetched == 1

@@ -21,8 +21,9 @@ The rules (docs/tables.md, "Hand-off"):
 - An old owner's offer always counts; another member's only in a round that every member answered,
   so that the newest copy wins (TableService.import_best keeps the most updated one) and "nobody
   ever updated it" (FRESH) is what all of them said.
-- A move the service no longer awaits (installed, or superseded by a newer view) is dropped.
-- At the deadline the moves left are given up.
+- A move the service no longer awaits (installed, or superseded by a newer view) is dropped, also
+  from the moves given up at the deadline: giving up a superseded move would throw away the slot
+  that a newer view's fetch is getting.
 """
 
 from __future__ import annotations
@@ -93,11 +94,9 @@ class HandoffPlan:
         """What to do now. ``members``: the current map's members (None: no map yet; this peer is
         left out of them); ``reachable(peer)``: whether it has an address to ask;
         ``still_pending(move)``: whether the service still awaits that very move."""
-        if now - self.started >= self.deadline_s:
-            return Done(tuple(self.pending))
         self.pending = [m for m in self.pending if still_pending(m)]
-        if not self.pending:
-            return Done()
+        if not self.pending or now - self.started >= self.deadline_s:
+            return Done(tuple(self.pending))
         sources = sorted({src for m in self.pending for src in m.sources if reachable(src)})
         asked = {src: [m.slot for m in self.pending if src in m.sources] for src in sources}
         everyone = None
