@@ -28,6 +28,7 @@ from aiohttp import web
 from ..transport import PeerUnreachable, Transport
 from ..wire import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
+from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
@@ -57,9 +58,6 @@ class RowStats:
             return {"p50": None, "p95": None, "p99": None}
         a = np.asarray(self.latency_ms)
         return {f"p{q}": round(float(np.percentile(a, q)), 2) for q in (50, 95, 99)}
-
-
-WIDEN_AFTER = 3  # hand-off rounds asking only a slot's old owners before asking every member
 
 
 class TableClient:
@@ -228,67 +226,49 @@ class TableClient:
 
     # -- hand-off -----------------------------------------------------------------------------
     async def fetch(self, moves: list[Move]) -> None:
-        """Fetch newly owned slots, asking every old owner that is still here for its copy and
-        keeping the newest (the most row updates applied), in batches per table."""
+        """Fetch newly owned slots, in chunks of SLOTS_PER_REQUEST per table, fetched concurrently:
+        each asks the slot's old owners (later every member) for their copies and keeps the newest
+        (the most row updates applied); swarm/tables/handoff.py says whom to ask and when."""
         by_table: dict[str, list[Move]] = {}
         for mv in moves:
             by_table.setdefault(mv.table, []).append(mv)
         chunks = [ms[i:i + SLOTS_PER_REQUEST] for ms in by_table.values() for i in range(0, len(ms), SLOTS_PER_REQUEST)]
         await asyncio.gather(*(self._fetch_chunk(c) for c in chunks))
 
-    async def _fetch_chunk(self, chunk: list[Move], deadline_s: float = 30.0) -> None:
-        """A source may have no current copy yet (it is fetching the slot itself): keep asking the
-        sources that are alive, with backoff, until the deadline; only then start the slot from
-        zeros (its rows are lost).
+    async def _fetch_chunk(self, chunk: list[Move], deadline_s: float = DEADLINE_S) -> None:
+        """Carry out the hand-off policy of one chunk (swarm/tables/handoff.py: whom to ask for
+        which slot, which offers count, backoff, when to give up): ask, install the newest copy
+        offered (import_best), wait, and in the end give up what no source could hand over."""
+        plan = HandoffPlan(chunk, time.monotonic(), deadline_s)
+        table = chunk[0].table
 
-        After WIDEN_AFTER rounds without a copy, every member of the map is asked instead: a slot
-        that moved on again before its previous new owner had fetched it (two joins within
-        seconds) is still held only by an earlier owner, for release, and that owner is in none of
-        the maps this peer has seen. The old owners' offers count as before; another member's only
-        in a round every member answered, so that the newest copy wins and "nobody ever updated it"
-        is what all of them said."""
-        t0, attempt, table = time.monotonic(), 0, chunk[0].table
-        pending = list(chunk)
-        while pending and time.monotonic() - t0 < deadline_s:
-            pending = [m for m in pending if self.service.moving.get((m.table, m.slot)) is m]
-            if not pending:
-                break
-            omap = self.service.map
-            wide = attempt >= WIDEN_AFTER and omap is not None
-            sources = sorted({src for m in pending for src in m.sources if self.addr_of(src)})
-            asked = {src: [m.slot for m in pending if src in m.sources] for src in sources}
-            if wide:  # the old owners (members or not, as before), and every member for every slot
-                everyone = [p for p in omap.members if p != self.self_id]
-                asked.update({src: [m.slot for m in pending] for src in everyone if self.addr_of(src)})
-            if not asked:  # no old owner is reachable now; one may come back (refuting) before the deadline
-                attempt += 1
-                await asyncio.sleep(min(0.2 * attempt, 2.0))
+        def still_pending(mv: Move) -> bool:
+            return self.service.moving.get((mv.table, mv.slot)) is mv
+
+        def reachable(peer: str) -> bool:
+            return self.addr_of(peer) is not None
+
+        def members() -> tuple[str, ...] | None:
+            return None if self.service.map is None else self.service.map.members
+
+        while not isinstance(step := plan.next_round(time.monotonic(), members(), reachable, still_pending), Done):
+            if isinstance(step, Sleep):
+                await asyncio.sleep(step.seconds)
                 continue
-            replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in asked.items()))
-            # a slot's old owners' offers always count; another member's only when every member answered
-            answered = {src for src, blobs in zip(asked, replies) if blobs is not None}
-            complete = wide and answered.issuperset(everyone)
-            sources_of = {m.slot: m.sources for m in pending}
-            offers: dict[int, list[bytes | int]] = {}
-            for (src, slots), blobs in zip(asked.items(), replies):
-                for slot, blob in zip(slots, blobs or ()):
-                    if blob is not None and (complete or src in sources_of[slot]):
-                        offers.setdefault(slot, []).append(blob)
-            left = []
-            for mv in pending:
-                ok = False
+            replies = await asyncio.gather(*(self._ask_slots(src, table, slots) for src, slots in step.asked.items()))
+            offers = step.offers(dict(zip(step.asked, replies)))
+            installed: dict[Move, bool] = {}
+            for mv in step.moves:
+                installed[mv] = False
                 if mv.slot in offers:
                     try:
-                        ok = await self.work(self.service.import_best, mv, offers[mv.slot])
+                        installed[mv] = await self.work(self.service.import_best, mv, offers[mv.slot])
                     except (WireError, ShardError):
-                        ok = False
-                if not ok and self.service.moving.get((mv.table, mv.slot)) is mv:
-                    left.append(mv)
-            pending = left
-            if pending:
-                attempt += 1
-                await asyncio.sleep(min(0.1 * attempt, 1.0))
-        for mv in pending:
+                        pass  # an unusable copy: the slot is asked again
+            wait = plan.after_install(installed, still_pending)
+            if wait is not None:
+                await asyncio.sleep(wait.seconds)
+        for mv in step.give_up:
             await self.work(self.service.give_up, mv)
 
     async def _ask_slots(self, source: str, table: str, slots: list[int]) -> list[bytes | int | None] | None:

@@ -497,8 +497,11 @@ class TableService:
 
     def give_up(self, move: Move) -> None:
         """No source could hand the slot over: keep the copy we hold (a checkpoint's, or an older
-        one), else start it from zeros (its rows are lost)."""
-        if self.moving.pop((move.table, move.slot), None) is not None:
+        one), else start it from zeros (its rows are lost). Only the very move awaited, as in
+        import_best: a newer view's move of the same slot is another fetch's, still under way."""
+        key = (move.table, move.slot)
+        if self.moving.get(key) is move:
+            del self.moving[key]
             if self.shards[move.table].has_slot(move.slot):
                 self.stats.slots_kept += 1
                 return
