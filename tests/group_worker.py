@@ -69,7 +69,7 @@ async def main(out_dir: Path, replicas: int, backend: str, device: str, reps: in
     rows, missing = await group.pull(want)
     same, compared = True, 0
     for r, sub in per_rank.items():
-        got, gone = await peer.table_client._pull_from(group.rank_ids[r], sub, omap.view)
+        got, gone = await peer.table_client.pull_from(group.rank_ids[r], sub, omap.view)
         for t, ids in sub.items():
             pos = torch.from_numpy(np.searchsorted(want[t], ids))
             same &= got is not None and torch.equal(rows[t][pos], got[t])
@@ -120,7 +120,7 @@ async def time_pulls(peer: Peer, want: dict, reps: int) -> dict:
         await peer.work(group.rows.receive, ex, served)
 
     async def http() -> None:
-        await asyncio.gather(*(peer.table_client._pull_from(group.rank_ids[r], sub, omap.view)
+        await asyncio.gather(*(peer.table_client.pull_from(group.rank_ids[r], sub, omap.view)
                                for r, sub in per_rank.items()))
         await peer.work(comm.all_gather_text, "http")  # the collective's time includes waiting for all ranks
 

@@ -105,7 +105,7 @@ class TableClient:
                 rest = pos[~mine]
                 for peer, p in omap.cut(table, want[table][rest], down=self.down() | unreachable).items():
                     by_peer.setdefault(peer, {})[table] = rest[p]
-            results = await asyncio.gather(*(self._pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view)
+            results = await asyncio.gather(*(self.pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view)
                                              for peer, sub in by_peer.items()))
             left: dict[str, list[np.ndarray]] = {}
             for (peer, sub), (got, gone) in zip(by_peer.items(), results):
@@ -128,7 +128,7 @@ class TableClient:
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
 
-    async def _pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str
+    async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
         """One owner's share of a pull: (rows or None when it failed, whether the owner is unreachable)."""
         if peer == "":
