@@ -10,11 +10,10 @@ from .structure import cycles, import_graph, package_modules, private_violations
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# TEMPORARY. Private accesses that wait for the refactoring of swarm/node.py, swarm/group/runner.py,
-# swarm/status/* and swarm/tables/http.py (the loop and the core are to talk through a small public
-# interface): (file, expression) as the failure message spells them. Remove an entry when its access
-# is gone (an entry that matches nothing fails the test too); add none.
-PENDING: set[tuple[str, str]] = set()  # empty: every coupling goes through a public interface
+# Private accesses still waiting for a public interface, (file, expression) as the failure message
+# spells them. Empty now: every coupling goes through a public interface. Add none; an entry that
+# matches nothing fails the test too.
+PENDING: set[tuple[str, str]] = set()
 
 
 def scanned_files() -> dict[str, str]:
