@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import safetensors.torch  # noqa: E402
 
 from swarm.codec import CodecConfig, Compressor, Manifest, ManifestEntry, decode_payload  # noqa: E402
-from swarm.codec.wire import subset_bound_bits  # noqa: E402
+from swarm.codec.payload import subset_bound_bits  # noqa: E402
 
 
 class NaiveCompressor:

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Membership, MembershipConfig, SendPing, SendSync
 from .membership_shell import MembershipShell
+from .status import report
 from .status.timeline import Timeline
 from .steptimes import StepTimes
 from .tables import RowOptConfig
@@ -39,10 +40,11 @@ from .tables.audit import ReplicaAudit
 from .tables.http import TableClient
 from .tables.service import TableService
 from .replica import MAX_NONFINITE, Replica, StepStats
+from .roles import Role, Solo
 from .task import Task, TaskError, TaskTypeError, load_task
 from .tasks import default_task
 from .transport import ByteCounts, PeerUnreachable, Transport
-from .wire import PROTOCOL_VERSION, unpack_map
+from .bodies import PROTOCOL_VERSION, unpack_map
 
 log = logging.getLogger("swarm")
 
@@ -955,16 +957,7 @@ class Peer:
             await asyncio.sleep(0.1)
 
     def progress_line(self) -> str:
-        p = self.progress
-        elapsed = max(1e-9, time.monotonic() - p.started_at)
-        recent = p.losses[-10:]
-        loss = sum(recent) / len(recent) if recent else float("nan")
-        ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
-        rate = (f"tok/s {p.tokens / elapsed:.0f}" if self.replica.task.tokens_per_sample
-                else f"samples/s {p.samples / elapsed:.1f}")
-        return (f"step {self.book.step} loss {loss:.3f} {rate} "
-                f"peers {len(self.members.alive_ids())} sent {sum(self.counts.sent.values()) / 1e6:.2f}MB "
-                f"recv {sum(self.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
+        return report.progress_line(self)
 
     # -- leaving -----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -1032,165 +1025,15 @@ class Peer:
         log.info("%s %s", kind, detail)
 
     def summary(self, sketch: list[float]) -> dict:
-        p = self.progress
-        tail = p.losses[-10:]
-        grads_sent = self.counts.sent.get("grads", 0)
-        return {
-            "peer_id": self.id,
-            "steps": self.book.step,
-            "steps_contributed": p.contributed,
-            "first_loss": p.losses[0] if p.losses else None,
-            "final_loss": sum(tail) / len(tail) if tail else None,
-            "val_loss": p.val_loss,
-            "bytes_sent": grads_sent,
-            "bytes_received": self.counts.received.get("grads", 0),
-            "control_bytes_sent": self.counts.sent.get("control", 0),
-            "state_bytes_received": self.counts.received.get("state", 0),
-            "dense_bytes": self.dense_bytes,
-            "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
-            "skipped_steps": p.skipped_steps,
-            "rounds_timed_out": self.book.stats.timed_out_rounds,
-            "late_payloads": self.book.stats.late,
-            "tokens": p.tokens,
-            "samples": p.samples,
-            "nonfinite_losses": self.replica.nonfinite if self.replica else 0,
-            "lr": self.replica.lr() if self.replica else None,
-            "task": self.task_info(),
-            "seconds": round(time.monotonic() - p.started_at, 2) if p.started_at else 0.0,
-            "row_bytes_sent": self.counts.sent.get("rows", 0) + self.counts.sent.get("replica", 0),
-            "row_bytes_received": self.counts.received.get("rows", 0) + self.counts.received.get("replica", 0),
-            "sent_by_kind": dict(self.counts.sent),  # request bodies this peer sent, by kind
-            "received_by_kind": dict(self.counts.received),  # reply bodies it received (rows served to it)
-            "rows": self.table_client.status() if self.table_client else None,
-            "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client else None,
-            "step_phases": self.step_times.report(),
-            "table_stats": vars(self.tables.stats).copy() if self.tables else None,
-            "param_sketch": sketch,
-            "val_history": [[s, round(v, 5)] for s, v in p.val_history],
-            "lr_history": [[s, lr] for s, lr in p.lr_history],
-            "settings": dict(self.settings),
-            "resyncs": dict(self.resyncs),
-            "task_failures": dict(self.task_failures),
-            "failure": self.failure,
-            "group": self.group.status() if self.group is not None else None,
-        }
+        """The JSON summary a finished peer prints (swarm/status/report.py)."""
+        return report.summary(self, sketch)
 
     def task_info(self) -> dict | None:
-        """What the swarm trains: the task's name and version, its dense size and its tables."""
-        r = self.replica
-        if r is None:
-            return None
-        return {"name": r.task.name, "version": r.task.version, "fingerprint": r.fingerprint,
-                "tokens_per_sample": r.task.tokens_per_sample,
-                "params": sum(p.numel() for p in r.params), "buffers": sum(b.numel() for b in r.buffers.values()),
-                "dense_values": r.manifest.numel, "lr": r.lr(), "nonfinite_losses": r.nonfinite,
-                "tables": [{"name": t.name, "path": r.paths[t.name], "rows": t.rows, "dim": t.dim}
-                           for t in r.table_specs]}
+        return report.task_info(self)
 
     def status(self) -> dict:
-        """The /api/status document (see docs/protocol.md)."""
-        p = self.progress
-        self.timeline.poll(self)
-        members = self.timeline.members(self)  # peer_id, addr, state, ... plus the page's per-peer columns
-        recent = p.losses[-10:]
-        elapsed = time.monotonic() - p.started_at if p.started_at else 0.0
-        return {
-            "peer_id": self.id,
-            "addr": self.addr,
-            "step": self.book.step,
-            "active": self.active,
-            "state": self.lifecycle.state.value,  # core/lifecycle.py State
-            "loss": sum(recent) / len(recent) if recent else None,
-            "val_loss": p.val_loss,
-            "tokens_per_s": p.tokens / elapsed if elapsed > 0 else 0.0,
-            "samples_per_s": p.samples / elapsed if elapsed > 0 else 0.0,
-            "task": self.task_info(),
-            "members": members,
-            "bytes_sent": dict(self.counts.sent),
-            "bytes_received": dict(self.counts.received),
-            "dense_bytes": self.dense_bytes,
-            "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
-            "rounds": vars(self.book.stats).copy(),
-            "rejected": dict(self.rejected),
-            "robust": {"aggregation": self.cfg.aggregation, "msg_clip": self.cfg.msg_clip,
-                       "ban_seconds": self.cfg.ban_seconds, "refused_banned": self.rejected.get("banned", 0),
-                       "peers": self.robust.status(time.monotonic(), time.time() - time.monotonic())},
-            "dropped_sends": self.dropped_sends,
-            "events": list(self.events)[-50:],
-            "param_sketch": self.last_sketch,
-            "sketch_step": self.sketch_note.step if self.sketch_note is not None else None,
-            "settings": dict(self.settings),
-            "resyncs": dict(self.resyncs),
-            "task_failures": dict(self.task_failures),
-            "tables": self.tables.status() if self.tables is not None else None,
-            "rows": self.table_client.status() if self.table_client is not None else None,
-            "pull_latency_ms": self.table_client.stats.percentiles() if self.table_client is not None else None,
-            "step_phases": self.step_times.report(),
-            "group": self.group.status() if self.group is not None else None,
-            # for the status page (docs/protocol.md, "GET /api/status")
-            "now": time.time(),
-            "compression": self.cfg.compression,
-            "swarm": self.timeline.swarm(self),
-            "series": self.timeline.series(),
-            "log": self.timeline.log(self),
-        }
-
-
-class Role(Protocol):
-    """Where a peer's step gets its rows, its reduced gradient and its round (Peer.steps)."""
-    gossips: bool  # it compresses and sends the step's payload (a plain peer, a host group's leader)
-    prefetch: bool  # the next step's rows may be pulled while this step's round completes
-    # in place on the training thread, after backward: the gradient the payload carries (None: as is)
-    reducer: Callable[[torch.Tensor], None] | None
-
-    async def begin(self) -> bool: ...  # before the first step; False: do not train
-
-    async def command(self) -> "int | str": ...  # the step to take, RESYNC or STOP
-
-    async def resync(self) -> None: ...
-
-    async def pull(self, want: dict) -> tuple[dict, dict]: ...
-
-    async def push(self, row_grads: dict, missing: dict, step: int) -> None: ...
-
-    async def round(self, step: int) -> None: ...  # take round ``step`` and step the replica
-
-    async def end(self) -> None: ...
-
-
-class Solo:
-    """A plain peer's role: its own rows over HTTP, its own gradient, its own payload and round."""
-    gossips = True
-    prefetch = True
-    reducer = None  # one process: its gradient is the peer's
-
-    def __init__(self, peer: Peer):
-        self.peer = peer
-
-    async def begin(self) -> bool:
-        await self.peer.until_ready()
-        return not self.peer.stopping
-
-    async def command(self) -> int | str:
-        p = self.peer
-        if p.stopping or (p.cfg.steps != 0 and p.book.step >= p.cfg.steps):
-            return STOP
-        return RESYNC if p.must_resync() else p.book.step
-
-    async def resync(self) -> None:
-        await self.peer.resync()
-
-    async def pull(self, want: dict) -> tuple[dict, dict]:
-        return await self.peer.table_client.pull(want)
-
-    async def push(self, row_grads: dict, missing: dict, step: int) -> None:
-        await self.peer.push_rows(row_grads, missing, step)
-
-    async def round(self, step: int) -> None:
-        await self.peer.take_round(step)
-
-    async def end(self) -> None:
-        return None
+        """The /api/status document (swarm/status/report.py; docs/protocol.md)."""
+        return report.status(self)
 
 
 async def _cancelled(fut: asyncio.Future | None) -> None:

@@ -23,7 +23,7 @@ from .replica import fingerprint_differs as task_differs
 from .tables.http import add_routes as add_table_routes
 from .tables.http import body_limits as table_body_limits
 from .status import routes as status_page
-from .wire import (BODY, INLINE_BYTES, PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body,
+from .bodies import (BODY, INLINE_BYTES, PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body,
                    unpack_map)
 
 if TYPE_CHECKING:

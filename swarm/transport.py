@@ -14,7 +14,7 @@ import aiohttp
 from yarl import URL
 
 from .auth import Signer
-from .wire import MSGPACK_TYPE, pack, unpack_map
+from .bodies import MSGPACK_TYPE, pack, unpack_map
 
 
 class PeerUnreachable(Exception):

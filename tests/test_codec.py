@@ -16,7 +16,7 @@ from swarm.codec import (HEADER, MODES, CodecConfig, CodecError, Compressor, Dec
 from swarm.codec import indexcode, quant
 from swarm.codec.select import select_topk, topk_exact, topk_fast
 from swarm.codec.config import MAX_SPARSE_RATIO
-from swarm.codec.wire import subset_bound_bits
+from swarm.codec.payload import subset_bound_bits
 
 torch.set_num_threads(1)
 

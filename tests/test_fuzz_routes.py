@@ -31,7 +31,7 @@ from swarm.codec import HEADER, MODES, CodecConfig, Compressor
 from swarm.membership import Membership
 from swarm.node import Peer
 from swarm.tables.http import body_limits
-from swarm.tables.wire import PullRequest, PushRequest, Replay, encode_pull, encode_push, encode_replays, encode_replica
+from swarm.tables.formats import PullRequest, PushRequest, Replay, encode_pull, encode_push, encode_replays, encode_replica
 
 from .conftest import small_cfg
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm import robust, roundbook
-from swarm.codec.wire import Decoded
+from swarm.codec.payload import Decoded
 from swarm.config import ConfigError
 from swarm.cli import parse_config
 from swarm.robust import MEAN, RobustConfig, Scoreboard, ScoreConfig, aggregate

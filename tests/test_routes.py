@@ -13,7 +13,7 @@ import torch
 from swarm.codec import CodecConfig, Compressor, HEADER, Manifest
 from swarm.membership import Membership
 from swarm.node import Peer
-from swarm.wire import PROTOCOL_VERSION
+from swarm.bodies import PROTOCOL_VERSION
 
 from .conftest import small_cfg
 

@@ -10,7 +10,7 @@ import torch
 from swarm.tables.audit import Digest, ReplicaAudit
 from swarm.tables.service import FRESH, Fenced
 from swarm.tables.shard import ShardError
-from swarm.tables.wire import WireError
+from swarm.tables.formats import WireError
 
 from .test_tables_service import push_to_primaries, services
 

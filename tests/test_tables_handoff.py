@@ -11,7 +11,7 @@ import torch
 from swarm.tables import Move, ShardError, TableSpec
 from swarm.tables.handoff import DEADLINE_S, WIDEN_AFTER, Done, HandoffPlan, Round, Sleep
 from swarm.tables.service import FRESH, NotPrimary, TableService
-from swarm.tables.wire import PushRequest
+from swarm.tables.formats import PushRequest
 
 ME = "p-me"
 MEMBERS = ("p-a", "p-b", "p-c", ME)

@@ -8,7 +8,7 @@ import torch
 
 from swarm.tables import TableSpec
 from swarm.tables.service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
-from swarm.tables.wire import PullRequest, PushRequest
+from swarm.tables.formats import PullRequest, PushRequest
 
 SPECS = [TableSpec("ngram", 256, 8), TableSpec("value", 256, 8)]
 PEERS = ["p-a", "p-b", "p-c"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.node import Peer
-from swarm.tables.wire import PushRequest, encode_push
+from swarm.tables.formats import PushRequest, encode_push
 
 from .conftest import small_cfg
 

@@ -4,7 +4,7 @@ from .compressor import Compressor, Encoded
 from .config import HEADER, MODES, CodecConfig
 from .errors import CodecError
 from .manifest import Manifest, ManifestEntry
-from .wire import Decoded, decode_payload
+from .payload import Decoded, decode_payload
 
 __all__ = ["CodecError", "Manifest", "ManifestEntry", "CodecConfig", "Compressor", "Encoded",
            "Decoded", "decode_payload", "MODES", "HEADER"]

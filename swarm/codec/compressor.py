@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import indexcode, quant, wire
+from . import indexcode, payload, quant
 from .config import MAX_SPARSE_RATIO, CodecConfig, k_cap, k_for
 from .errors import CodecError
 from .manifest import Manifest
 from .select import select_topk
-from .wire import Decoded
+from .payload import Decoded
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -51,8 +51,8 @@ class Compressor:
 
     def __init__(self, manifest: Manifest, config: CodecConfig, sender: str, *, seed: int = 0) -> None:
         config.validate()
-        if not isinstance(sender, str) or len(sender) > wire.MAX_SENDER:
-            raise ValueError(f"sender must be a str of at most {wire.MAX_SENDER} chars")
+        if not isinstance(sender, str) or len(sender) > payload.MAX_SENDER:
+            raise ValueError(f"sender must be a str of at most {payload.MAX_SENDER} chars")
         self.manifest = manifest
         self.config = config
         self.sender = sender
@@ -81,14 +81,14 @@ class Compressor:
 
     # -- helpers -------------------------------------------------------------
     def _pack(self, body: np.ndarray, k: int, mode: str, fmt: str, step: int) -> bytes:
-        return wire.pack(body, manifest_hash=self.manifest.hash, n=self.n, k=k, mode=mode, fmt=fmt,
+        return payload.pack(body, manifest_hash=self.manifest.hash, n=self.n, k=k, mode=mode, fmt=fmt,
                          block=self.config.block_size, step=step, sender=self.sender)
 
     def _sparse_cost(self, k: int, mode: str) -> int:
         """Body bytes plus the metadata bytes that differ from a dense payload."""
         fmt = quant.SPARSE_FORMAT[mode]
         extra = len(str(k)) + (len(',"b":""') + len(str(self.config.block_size)) if fmt in quant.LEVELS else 0)
-        return wire.body_size(self.n, k, fmt, self.config.block_size) + extra
+        return payload.body_size(self.n, k, fmt, self.config.block_size) + extra
 
     def _dense_cost(self) -> int:
         return quant.value_bytes(self.config.dense_dtype, self.n, 1) + len(str(self.n))
@@ -97,7 +97,7 @@ class Compressor:
         self.skipped_steps += 1
         mode = self.config.mode if self.config.mode != "none" else "topk"
         fmt = quant.SPARSE_FORMAT[mode]
-        body = np.zeros(wire.body_size(self.n, 0, fmt, self.config.block_size), np.uint8)
+        body = np.zeros(payload.body_size(self.n, 0, fmt, self.config.block_size), np.uint8)
         blob = self._pack(body, 0, mode, fmt, step)
         dec = Decoded(step, self.sender, self.n, mode, torch.empty(0, dtype=torch.int64),
                       torch.empty(0, dtype=torch.float32))

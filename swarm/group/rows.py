@@ -35,7 +35,7 @@ import torch
 from ..tables.ownership import OwnershipMap, TableSpec
 from ..tables.service import Fenced, Moving, NotPrimary, TableService
 from ..tables.shard import ShardError
-from ..tables.wire import PushRequest, roundtrip
+from ..tables.formats import PushRequest, roundtrip
 from .comm import Comm
 
 KEY_BITS = 40  # a key is table index << KEY_BITS | row id (--table-rows is at most 2**26)

@@ -2,7 +2,7 @@
 optimizer, and the wire formats. All sans-I/O; see docs/tables.md."""
 from .ownership import Move, OwnershipMap, TableSpec, moves, view_id
 from .shard import RowOptConfig, ShardError, TableShard
-from .wire import DTYPES, PullRequest, PushRequest, WireError
+from .formats import DTYPES, PullRequest, PushRequest, WireError
 
 __all__ = ["Move", "OwnershipMap", "TableSpec", "moves", "view_id", "RowOptConfig", "ShardError", "TableShard",
            "DTYPES", "PullRequest", "PushRequest", "WireError"]

@@ -26,13 +26,13 @@ import torch
 from aiohttp import web
 
 from ..transport import PeerUnreachable, Transport
-from ..wire import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
+from ..bodies import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .ownership import Move
 from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
 from .shard import ShardError
-from .wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
+from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replays, encode_replica, encode_rows,
                    roundtrip)
 

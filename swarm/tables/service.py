@@ -33,7 +33,7 @@ import torch
 from .audit import Digest
 from .ownership import Move, OwnershipMap, TableSpec, moves
 from .shard import RowOptConfig, ShardError, TableShard
-from .wire import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
+from .formats import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
 
 MAX_GRAD = 1e15  # |row gradient| above this is refused: Adam squares it, and a flush sums a few
 

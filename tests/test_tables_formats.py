@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
-from swarm.tables.wire import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
+from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
                                decode_replays, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
                                encode_replays, encode_replica, encode_rows, encode_slot, quantize, roundtrip,
                                pack_int4, unpack_int4)
