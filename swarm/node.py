@@ -728,6 +728,7 @@ class Peer:
                     # the next step's rows travel while this step's round completes; they may miss
                     # this step's own row update (one step stale), which is the price of the overlap
                     prefetched = asyncio.ensure_future(self._fetch_batch(role))
+                    await role.prefetch_started(prefetched)
                 if not last:
                     await role.push(row_grads, missing, step)
                 self.record_contribution(stats, enc)

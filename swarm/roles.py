@@ -31,6 +31,9 @@ class Role(Protocol):
 
     async def pull(self, want: dict) -> tuple[dict, dict]: ...
 
+    # the prefetch ``fut`` (a pull) was started: return once the step may go on beside it
+    async def prefetch_started(self, fut) -> None: ...
+
     async def push(self, row_grads: dict, missing: dict, step: int) -> None: ...
 
     async def round(self, step: int) -> None: ...  # take round ``step`` and step the replica
@@ -62,6 +65,9 @@ class Solo:
 
     async def pull(self, want: dict) -> tuple[dict, dict]:
         return await self.peer.table_client.pull(want)
+
+    async def prefetch_started(self, fut) -> None:
+        return None  # HTTP only: it travels beside the rest of the step
 
     async def push(self, row_grads: dict, missing: dict, step: int) -> None:
         await self.peer.push_rows(row_grads, missing, step)

@@ -197,6 +197,45 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     assert leader["group"]["error"] is None and follower["group"]["error"] is None
 
 
+async def step_of(port: int) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{port}/api/status", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return (await r.json())["step"]
+
+
+async def test_a_group_that_lost_rounds_resyncs_every_rank_and_ends_equal(spawn):
+    """The whole group is stopped (SIGSTOP) while a plain peer, which started the swarm, trains on
+    without it; once the group runs again its replicas differ from the plain peer's (the plain peer
+    took rounds without the group's payload) or lag behind, so its leader re-syncs its state from
+    the plain peer and hands it to its other rank, which drops its prefetched rows as the leader
+    does: every replica ends bit-identical."""
+    steps = "50"
+    common = ("--steps", steps, "--min-peers", "2", "--linger", "30", "--round-timeout", "2", "--sketch-every", "5")
+    plain = spawn(*common, "--device", "cpu")
+    plain_port = await plain.port()
+    group = spawn(*common, "--backend", BACKEND, "--device", DEVICE, "--join", f"127.0.0.1:{plain_port}",
+                  "--join-timeout", "60", launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+    await plain.read_until(r"^step (1[0-9]|[2-9][0-9]) ", timeout=180)
+    group.kill(signal.SIGSTOP)
+    try:  # until the plain peer, alone, is more than RESYNC_LAG rounds ahead of the stopped group
+        at = await step_of(plain_port)
+        while await step_of(plain_port) < at + 12:
+            await asyncio.sleep(0.2)
+    finally:
+        group.kill(signal.SIGCONT)
+    cp, sp = await plain.finish(240)
+    assert cp == 0, plain.stderr_tail()
+    cg, _ = await group.finish(120)
+    assert cg == 0, group.stderr_tail()
+    leader, follower = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
+    assert sum(leader["resyncs"].values()) >= 1 and sp["resyncs"] == {}, (leader["resyncs"], sp["resyncs"])
+    assert all(s["steps"] == int(steps) for s in (leader, follower, sp))
+    assert leader["param_sketch"] == follower["param_sketch"] == sp["param_sketch"]
+    assert leader["group"]["error"] is None and follower["group"]["error"] is None
+
+
 def test_a_group_restarts_from_its_checkpoints(tmp_path):
     """Each rank checkpoints to DIR/rank<r>; started again on DIR, the group resumes the leader's
     step and every rank gets its table slots back (the two hand each other their copies)."""

@@ -16,7 +16,10 @@ A step is the same sequence of collectives on every rank, in this order:
           the others step on the same bits
 
 Only the leader's payload goes over HTTP, so the bytes between hosts do not grow with the ranks.
-A pull is a collective, so it runs at its fixed point of the step: a group does not prefetch.
+A prefetched pull runs its collective part (keys, rows) at a fixed point of the step on every
+rank -- right after the payload, before the pushes (HostGroup.prefetch_started waits for it) --
+and only its HTTP part travels beside the rest of the step, so the collectives' order stays the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class HostGroup:
         self.rows = GroupRows(comm, rank_ids, peer.replica.table_specs, row_dtype=peer.cfg.row_dtype,
                               push_dtype=peer.cfg.push_dtype)
         self.error: str | None = None
+        self._pulls_collected = 0  # pulls whose collective part is done (prefetch_started waits on it)
+        self._collected = asyncio.Event()
 
     @property
     def leader(self) -> bool:
@@ -62,7 +67,7 @@ class HostGroup:
     def gossips(self) -> bool:
         return self.leader  # only the leader's payload goes over HTTP
 
-    prefetch = False  # a pull is a collective: it must run at the same point of the step on every rank
+    prefetch = True  # the collective part of a prefetch at a fixed point (prefetch_started)
 
     async def run(self, loop: Callable[["HostGroup"], Awaitable[None]]) -> None:
         """Run the peer's step loop as this rank; a broken group (a rank died, a collective timed
@@ -108,18 +113,20 @@ class HostGroup:
             if cmd == CMD_STOP:
                 p.book.reset(step)
                 return STOP
-            if cmd == CMD_STATE:  # the leader re-synced
+            if cmd == CMD_STATE:  # the leader re-synced: a prefetched pull is stale, as the leader's is
                 await self._load_state(step, size)
-                continue
+                return RESYNC
             if cmd != CMD_STEP or step != p.book.step:
                 raise RuntimeError(f"the leader sent command {cmd} for step {step} at our step {p.book.step}")
             p.started = True  # from now on a peer that joins through us syncs state first
             return step
 
     async def resync(self) -> None:
-        """(The leader only: the others get its new state.)"""
-        await self.peer.resync()
-        await self._send_state()
+        """The leader re-syncs and hands its new state to the others; on the others (they loaded it
+        in command) there is nothing left to do."""
+        if self.leader:
+            await self.peer.resync()
+            await self._send_state()
 
     async def _send_state(self) -> None:
         """The leader's replica to every rank: at the start, and after the leader re-synced."""
@@ -175,6 +182,9 @@ class HostGroup:
         except BaseException:
             http.cancel()
             raise
+        finally:
+            self._pulls_collected += 1
+            self._collected.set()
         rows = {t: torch.zeros(len(ids), self.rows.dims[t]) for t, ids in want.items()}
 
         def place(ids_by_table: dict[str, np.ndarray], got_rows: dict[str, torch.Tensor]) -> None:
@@ -192,6 +202,16 @@ class HostGroup:
             for t, ids in late_missing.items():
                 missing[t] = np.union1d(missing.get(t, ids[:0]), ids)
         return rows, missing
+
+    async def prefetch_started(self, fut: asyncio.Future) -> None:
+        """Wait until the prefetch's collectives are done (or it ended): the step's next
+        collectives (the pushes, the round) must come after them on every rank alike."""
+        target = self._pulls_collected + 1  # the prefetch's pull: it has not begun yet
+        while self._pulls_collected < target and not fut.done():
+            self._collected.clear()
+            waiter = asyncio.ensure_future(self._collected.wait())
+            await asyncio.wait({waiter, fut}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
 
     async def push(self, row_grads: dict, missing: dict, step: int) -> None:
         """Row gradients to their primaries: the group's through the collective (applied before
