@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", type=int, help=f"built-in task: sequences of 128 bytes per step on this peer (default {d.batch_size})")
     a("--lr", type=float, help=f"built-in task: peak learning rate (default {d.lr})")
     a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
-    a("--compression", help=f"none, topk, topk-int8 or topk-int4 (default {d.compression})")
+    a("--compression", help=f"none, topk, topk-int8, topk-int4 or topk-int2 (default {d.compression})")
     a("--min-payload", type=int, help="bytes: send at least the entries that fill this much per step (a small "
       f"model's payloads would otherwise be sparser than worth it; 0 = only --ratio; default {d.min_payload})")
     a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")

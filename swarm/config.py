@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4")
+COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
 ROW_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # table rows and row gradients on the wire
 AGGREGATION_RULES = ("mean", "trimmed", "centered-clip")  # swarm/robust.py RULES
 

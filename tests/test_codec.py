@@ -36,7 +36,7 @@ class Tiny(torch.nn.Module):
 # -- API surface ---------------------------------------------------------------------------
 def test_constants() -> None:
     assert HEADER == "X-Compression"
-    assert MODES == ("none", "topk", "topk-int8", "topk-int4")
+    assert MODES == ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
     assert issubclass(CodecError, ValueError)
 
 
@@ -84,7 +84,7 @@ def test_flatten_grads_zeros_where_none() -> None:
 
 # -- config --------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [
-    dict(mode="topk-int2"), dict(ratio=0.0), dict(ratio=1.5), dict(block_size=0),
+    dict(mode="topk-int3"), dict(ratio=0.0), dict(ratio=1.5), dict(block_size=0),
     dict(dense_dtype="fp16"), dict(warmup_steps=-1), dict(warmup_start_ratio=0.0),
     dict(warmup_steps=10, warmup_start_ratio=0.001, ratio=0.01), dict(clip_norm=-1.0),
     dict(clip_norm=float("nan")),
@@ -161,13 +161,47 @@ def test_int8_blockwise_survives_outlier() -> None:
     assert np.count_nonzero(deq[mask] == 0) < 0.02 * mask.sum()
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "int2"])
 def test_sparse_value_roundtrip_and_clamp(fmt: str) -> None:
     v = np.array([1e9, -1e9, 3.0, -0.5, 1e-12, 0.25, 7.0], dtype=np.float32)
     body, deq = quant.quantize_sparse(v, fmt, 4)
     assert body.size == quant.value_bytes(fmt, v.size, 4)
     assert np.isfinite(deq).all()
     assert np.array_equal(quant.dequantize_sparse(body, fmt, v.size, 4), deq)
+
+
+def test_int2_is_ternary_with_each_blocks_absmax_and_refuses_code_3() -> None:
+    v = np.array([3.0, -3.0, 1.6, -1.4, 2.1, 0.01, 6.0, -6.0, 2.0], dtype=np.float32)
+    body, deq = quant.quantize_sparse(v, "int2", 4)
+    assert body.size == 2 * 3 + 3  # three fp16 scales, nine 2-bit codes in three bytes
+    # block 1: absmax 3 -> -3, 0, 3; block 2: absmax 6; block 3: 2.0 alone (exact)
+    assert deq.tolist() == [3.0, -3.0, 3.0, 0.0, 0.0, 0.0, 6.0, -6.0, 2.0]
+    assert np.array_equal(quant.dequantize_sparse(body, "int2", v.size, 4), deq)
+    bad = body.copy()
+    bad[-1] |= 0xC0  # code 3 in the padding of the last byte
+    with pytest.raises(CodecError, match="code 3"):
+        quant.dequantize_sparse(bad, "int2", v.size, 4)
+
+
+def test_int2_error_feedback_keeps_the_rounding_in_the_residual() -> None:
+    """sum of what was sent + the residual == sum of the gradients (fp32 rounding aside): the
+    2-bit rounding is not lost, it is sent later."""
+    n = 20_000
+    m = flat_manifest(n)
+    c = Compressor(m, CodecConfig(mode="topk-int2", ratio=0.02), sender="peer-1")
+    gen = torch.Generator().manual_seed(5)
+    total_g = torch.zeros(n, dtype=torch.float64)
+    total_sent = torch.zeros(n, dtype=torch.float64)
+    for step in range(20):
+        g = torch.randn(n, generator=gen)
+        total_g += g.double()
+        enc = c.compress(g, step)
+        assert enc.mode == "topk-int2"
+        total_sent += enc.decoded.to_dense().double()
+    residual = c.state_dict()["residual"].double()
+    assert torch.allclose(total_sent + residual, total_g, atol=1e-3)
+    int8 = Compressor(m, CodecConfig(mode="topk-int8", ratio=0.02), sender="peer-1").compress(torch.randn(n), 0)
+    assert enc.wire_bytes < 0.75 * int8.wire_bytes  # 2 bits a value instead of 8 (the indices stay)
 
 
 # -- compressor + wire ---------------------------------------------------------------------
@@ -370,7 +404,7 @@ def test_decoder_rejects_bad_indices() -> None:
     assert ell > 0
 
 
-@pytest.mark.parametrize("mode", ["topk", "topk-int8", "topk-int4"])
+@pytest.mark.parametrize("mode", ["topk", "topk-int8", "topk-int4", "topk-int2"])
 def test_min_bytes_is_a_floor_on_the_payload_not_a_ceiling(mode):
     """A small model's payload is filled up to min_bytes (more entries than the ratio asks); a model
     whose ratio already gives more is unaffected; entries never exceed n (then it goes dense)."""
@@ -382,8 +416,9 @@ def test_min_bytes_is_a_floor_on_the_payload_not_a_ceiling(mode):
     assert 32768 <= len(enc.blob) <= 32768 + 1024  # the body fills the floor; the header is extra
     dec = decode_payload(enc.blob, flat_manifest(g.numel()), header_mode=mode)
     assert dec.indices.numel() == enc.k
-    big = Compressor(flat_manifest(g.numel()), CodecConfig(mode=mode, ratio=0.2, min_bytes=32768), "a")
-    assert big.compress(g.clone(), 0).k == 40_000  # ratio above the floor: unchanged
+    ratio = 0.4 if mode == "topk-int2" else 0.2  # (2-bit values: 40,000 entries are under the floor)
+    big = Compressor(flat_manifest(g.numel()), CodecConfig(mode=mode, ratio=ratio, min_bytes=32768), "a")
+    assert big.compress(g.clone(), 0).k == int(ratio * 200_000)  # ratio above the floor: unchanged
     tiny = Compressor(flat_manifest(1000), CodecConfig(mode=mode, ratio=0.01, min_bytes=1 << 20), "a")
     small = tiny.compress(torch.randn(1000), 0)  # the floor exceeds the whole model: every entry goes
     assert small.k == 1000 and tiny.k_floor == 1000  # (sparse when that is still smaller than dense)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 HEADER = "X-Compression"
-MODES = ("none", "topk", "topk-int8", "topk-int4")
+MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
 SPARSE_MODES = MODES[1:]
 DENSE_DTYPES = ("bf16", "fp32")
 MAX_BLOCK = 1 << 16

@@ -1,10 +1,17 @@
-"""Value formats: fp16, blockwise int8/int4 with fp16 scales, dense bf16/fp32.
+"""Value formats: fp16, blockwise int8/int4/int2 with fp16 scales, dense bf16/fp32.
 
 Blockwise scales (one fp16 absmax scale per block_size consecutive kept values)
 keep one outlier from flattening a whole tensor to zero, which a per-tensor scale
 does. Every quantizer returns the dequantized values computed exactly as the decoder
 will compute them, so the sender's residual keeps the true rounding error and its
 local copy is bit-identical to what receivers see.
+
+int2 is ternary in two bits: a kept value becomes -1, 0 or +1 times its block's absmax (code 3 is
+no level and is refused). The block's largest value is exact; a value under half of it is not
+sent now but stays in the residual, and error feedback carries every rounding into later steps
+(SparseLoCo's 2-bit values, arXiv 2508.15706). A zero level matters: without one, a block holding
+an outlier would send every small value in it as a third of the outlier (measured: the residual
+then grows far past the gradients and fp32 rounding loses mass).
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from .errors import CodecError
 
 F16_MAX = 65504.0
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-LEVELS = {"int8": 127, "int4": 7}
-SPARSE_FORMAT = {"topk": "fp16", "topk-int8": "int8", "topk-int4": "int4"}
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # the largest |level|: scale = absmax / LEVELS
+SPARSE_FORMAT = {"topk": "fp16", "topk-int8": "int8", "topk-int4": "int4", "topk-int2": "int2"}
 
 
 def n_blocks(k: int, block: int) -> int:
@@ -34,6 +41,8 @@ def value_bytes(fmt: str, k: int, block: int) -> int:
         return 2 * n_blocks(k, block) + k
     if fmt == "int4":
         return 2 * n_blocks(k, block) + (k + 1) // 2
+    if fmt == "int2":
+        return 2 * n_blocks(k, block) + (k + 3) // 4
     raise ValueError(f"unknown value format {fmt!r}")
 
 
@@ -63,6 +72,10 @@ def quantize_sparse(v: np.ndarray, fmt: str, block: int) -> tuple[np.ndarray, np
     deq = _dequant_blocks(q, s16, k, block)
     if fmt == "int8":
         body = q.view(np.uint8)
+    elif fmt == "int2":
+        c = (q.astype(np.int16) + 1).astype(np.uint8)  # codes 0..2
+        c = np.append(c, np.ones((-k) % 4, np.uint8))  # padding: the zero level
+        body = c[0::4] | (c[1::4] << 2) | (c[2::4] << 4) | (c[3::4] << 6)
     else:
         u = (q.astype(np.int16) + 8).astype(np.uint8)
         if k % 2:
@@ -91,6 +104,13 @@ def dequantize_sparse(buf: np.ndarray, fmt: str, k: int, block: int) -> np.ndarr
     body = buf[2 * nb:]
     if fmt == "int8":
         q = body.view(np.int8)
+    elif fmt == "int2":
+        c = np.empty(4 * body.size, dtype=np.int8)
+        for j in range(4):
+            c[j::4] = ((body >> (2 * j)) & 0x03).astype(np.int8)
+        if bool((c == 3).any()):
+            raise CodecError("int2 code 3 is not a level")
+        q = c[:k] - 1
     else:
         q = np.empty(2 * body.size, dtype=np.int8)
         q[0::2] = (body & 0x0F).astype(np.int8) - 8
