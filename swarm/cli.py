@@ -26,7 +26,7 @@ EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM
 A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
---msg-clip, --compression, --ratio, --warmup-steps, --min-payload, --clip-norm, --table-lr,
+--msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
 --push-dtype, --max-staleness, --sketch-every) are fixed by the peer that starts the swarm and kept
 in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, help=f"built-in task: peak learning rate (default {d.lr})")
     a("--ratio", type=float, help=f"fraction of gradient entries sent per step (default {d.ratio})")
     a("--compression", help=f"none, topk, topk-int8, topk-int4 or topk-int2 (default {d.compression})")
+    a("--chunk", type=int, help="chunk-wise Top-K: each run of this many gradient entries keeps its share of "
+      "--ratio, so every part of the model is updated every step (0 = the largest of the whole vector; default 0)")
     a("--min-payload", type=int, help="bytes: send at least the entries that fill this much per step (a small "
       f"model's payloads would otherwise be sparser than worth it; 0 = only --ratio; default {d.min_payload})")
     a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")

@@ -53,6 +53,7 @@ class PeerConfig:
     # codec
     compression: str = "topk-int8"
     ratio: float = 0.01
+    chunk: int = 0  # > 0: chunk-wise Top-K, each run of this many entries keeps its share (0 = global)
     warmup_steps: int = 20
     min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
@@ -116,6 +117,7 @@ class PeerConfig:
         need(self.compression in COMPRESSION_MODES,
              f"--compression must be one of {', '.join(COMPRESSION_MODES)}, got {self.compression!r}")
         need(0 < self.ratio <= 1, f"--ratio must be in (0, 1], got {self.ratio}")
+        need(self.chunk == 0 or 64 <= self.chunk <= 1 << 24, f"--chunk must be 0 or in 64..{1 << 24}, got {self.chunk}")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(0 <= self.min_payload <= 1 << 30, f"--min-payload must be in [0, 2**30] bytes, got {self.min_payload}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")

@@ -234,7 +234,8 @@ class Peer:
         await self._agree_settings()
         self.replica = await self.work(self._build_replica, device)
         self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
-        codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, warmup_steps=self.cfg.warmup_steps,
+        codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, chunk=self.cfg.chunk,
+                                warmup_steps=self.cfg.warmup_steps,
                                 clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
         codec_cfg.validate()
         self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)

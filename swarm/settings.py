@@ -22,11 +22,14 @@ from .config import ConfigError, PeerConfig
 # setting -> its flag, in the order a refusal names them
 SWARM_WIDE: dict[str, str] = {
     "seed": "--seed", "budget": "--budget", "lr": "--lr", "aggregation": "--aggregation", "trim": "--trim",
-    "msg_clip": "--msg-clip", "compression": "--compression", "ratio": "--ratio", "warmup_steps": "--warmup-steps",
+    "msg_clip": "--msg-clip", "compression": "--compression", "ratio": "--ratio", "chunk": "--chunk", "warmup_steps": "--warmup-steps",
     "min_payload": "--min-payload", "clip_norm": "--clip-norm", "table_lr": "--table-lr",
     "push_dtype": "--push-dtype", "max_staleness": "--max-staleness", "sketch_every": "--sketch-every",
 }
 _TYPES = {f.name: type(f.default) for f in dataclasses.fields(PeerConfig) if f.name in SWARM_WIDE}
+# settings added after others were already kept in checkpoints and sent at join: a checkpoint or a
+# peer that does not name one ran with its value here (what the code did before the setting existed)
+ADDED_LATER: dict[str, Any] = {"chunk": 0}
 
 
 def of(cfg: PeerConfig) -> dict[str, Any]:
@@ -45,9 +48,12 @@ def given(cfg: PeerConfig) -> dict[str, Any]:
 def parse(raw: Any) -> dict[str, Any]:
     """Settings from the network or a checkpoint: exactly the known names, each of its type and finite
     (ConfigError otherwise); the values are then validated like flags by PeerConfig.validate."""
+    if isinstance(raw, Mapping):
+        raw = {**{k: v for k, v in ADDED_LATER.items() if k not in raw}, **raw}
     if not isinstance(raw, Mapping) or set(raw) != set(SWARM_WIDE):
         missing = sorted(set(SWARM_WIDE) - set(raw)) if isinstance(raw, Mapping) else []
-        raise ConfigError(f"the swarm's settings are malformed (missing {missing[:3]})")
+        unknown = sorted(str(k)[:20] for k in set(raw) - set(SWARM_WIDE)) if isinstance(raw, Mapping) else []
+        raise ConfigError(f"the swarm's settings are malformed (missing {missing[:3]}, unknown {unknown[:3]})")
     out = {}
     for name, kind in _TYPES.items():
         v = raw[name]

@@ -424,3 +424,40 @@ def test_min_bytes_is_a_floor_on_the_payload_not_a_ceiling(mode):
     assert small.k == 1000 and tiny.k_floor == 1000  # (sparse when that is still smaller than dense)
     with pytest.raises(ValueError, match="min_bytes"):
         CodecConfig(min_bytes=-1).validate()
+
+
+# -- chunk-wise selection ------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,chunk", [(1000, 10, 64), (4096, 41, 4096), (10_000, 100, 300), (130, 130, 64),
+                                       (70, 3, 64)])
+def test_chunked_selection_keeps_each_chunks_share_of_its_largest(n, k, chunk) -> None:
+    from swarm.codec.select import chunk_quotas, select_chunked
+
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    x[::7] = 0.0  # zeros are never sent
+    quota = chunk_quotas(n, k, chunk)
+    assert quota.sum() == k and quota.size == -(-n // chunk) and (quota >= 0).all()
+    idx = select_chunked(x, k, chunk)
+    assert np.all(np.diff(idx) > 0) and np.all(x[idx] != 0)
+    for c, q in enumerate(quota.tolist()):  # reference: per chunk, its q largest non-zero |x|
+        part = np.abs(x[c * chunk:(c + 1) * chunk])
+        want = np.sort(np.argsort(-part, kind="stable")[:q]) + c * chunk
+        want = want[x[want] != 0]
+        got = idx[(idx >= c * chunk) & (idx < (c + 1) * chunk)]
+        assert np.array_equal(got, want), c
+
+
+def test_chunked_payload_roundtrips_and_spreads_over_the_vector() -> None:
+    n = 100_000
+    m = flat_manifest(n)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    g[:1000] *= 100.0  # one "layer" with far larger gradients takes nearly every global Top-K entry
+    glob = Compressor(m, CodecConfig(mode="topk-int8", ratio=0.01), "s").compress(g.clone(), 0)
+    chunked = Compressor(m, CodecConfig(mode="topk-int8", ratio=0.01, chunk=1000), "s").compress(g.clone(), 0)
+    assert glob.k == chunked.k == 1000
+    assert int((glob.decoded.indices < 1000).sum()) > 900
+    assert int((chunked.decoded.indices < 1000).sum()) == 10  # 10 per chunk of 1000, 99 other chunks
+    d = decode_payload(chunked.blob, m, header_mode="topk-int8", max_ratio=0.01)
+    assert torch.equal(d.to_dense(), chunked.decoded.to_dense())
+    for bad in (1, 63, True, 1 << 25):
+        with pytest.raises(ValueError, match="chunk"):
+            CodecConfig(chunk=bad).validate()

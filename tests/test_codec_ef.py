@@ -18,10 +18,11 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def run_ef(n: int, mode: str, ratio: float, steps: int, seed: int, *, dense_dtype: str = "bf16",
-           warmup: int = 0, outliers: bool = False, nan_every: int = 0, check_wire: bool = False) -> None:
+           warmup: int = 0, outliers: bool = False, nan_every: int = 0, check_wire: bool = False,
+           chunk: int = 0) -> None:
     m = Manifest((ManifestEntry("a", (n // 2,), "float32"), ManifestEntry("b", (n - n // 2,), "float32")))
     cfg = CodecConfig(mode=mode, ratio=ratio, dense_dtype=dense_dtype, warmup_steps=warmup,
-                      warmup_start_ratio=max(ratio, 0.3))
+                      warmup_start_ratio=max(ratio, 0.3), chunk=chunk)
     comp = Compressor(m, cfg, sender="ef")
     gen = np.random.default_rng(seed)
     total_g = np.zeros(n)
@@ -58,6 +59,11 @@ def run_ef(n: int, mode: str, ratio: float, steps: int, seed: int, *, dense_dtyp
 @pytest.mark.parametrize("mode", MODES)
 def test_ef_conserves_mass_each_mode(mode: str) -> None:
     run_ef(4000, mode, 0.01, 40, seed=MODES.index(mode), outliers=True, nan_every=7, check_wire=True)
+
+
+@pytest.mark.parametrize("mode", ["topk-int8", "topk-int2"])
+def test_ef_conserves_mass_chunk_wise(mode: str) -> None:
+    run_ef(5000, mode, 0.01, 30, seed=3, outliers=True, nan_every=7, check_wire=True, chunk=64)
 
 
 def test_ef_conserves_mass_fast_path_and_warmup() -> None:

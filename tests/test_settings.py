@@ -41,6 +41,11 @@ def test_given_settings_and_adoption():
     with pytest.raises(ConfigError):
         settings.adopt(PeerConfig(), {**swarm, "ratio": 7.0})  # validated like a flag
     assert settings.parse({**swarm, "lr": 1})["lr"] == 1.0  # msgpack may carry a float as an int
+    # a checkpoint or peer from before --chunk existed ran with global selection
+    older = {k: v for k, v in swarm.items() if k != "chunk"}
+    assert settings.parse(older)["chunk"] == 0
+    with pytest.raises(ConfigError, match="unknown"):
+        settings.parse({**swarm, "surprise": 1})
 
 
 def _note(peer, sketch, since=0, step=10, device="cpu"):
@@ -82,7 +87,7 @@ async def test_a_joiner_giving_another_swarm_setting_is_refused_naming_it():
     try:
         for given, flag in [(dict(seed=4), "--seed"), (dict(lr=0.01), "--lr"), (dict(aggregation="trimmed"),
                             "--aggregation"), (dict(compression="topk-int4"), "--compression"),
-                            (dict(table_lr=0.02), "--table-lr")]:
+                            (dict(table_lr=0.02), "--table-lr"), (dict(chunk=4096), "--chunk")]:
             with pytest.raises(JoinError, match=f"^{flag} is a swarm-wide setting: this swarm uses .*, this peer gives"):
                 await _start(join=f"127.0.0.1:{first.port}", **given)
     finally:

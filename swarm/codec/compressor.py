@@ -17,7 +17,7 @@ from . import indexcode, payload, quant
 from .config import MAX_SPARSE_RATIO, CodecConfig, k_cap, k_for
 from .errors import CodecError
 from .manifest import Manifest
-from .select import select_topk
+from .select import select_chunked, select_topk
 from .payload import Decoded
 
 
@@ -145,7 +145,8 @@ class Compressor:
 
         fmt = quant.SPARSE_FORMAT[mode]
         a = acc.numpy()
-        idx = select_topk(a, k, exact=cfg.exact, rng=self._rng)
+        idx = (select_chunked(a, k, cfg.chunk) if cfg.chunk
+               else select_topk(a, k, exact=cfg.exact, rng=self._rng))
         v = a[idx]
         vbody, deq = quant.quantize_sparse(v, fmt, cfg.block_size)
         a[idx] = v - deq                  # residual keeps unsent values + quantization error

@@ -10,6 +10,7 @@ MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
 SPARSE_MODES = MODES[1:]
 DENSE_DTYPES = ("bf16", "fp32")
 MAX_BLOCK = 1 << 16
+MIN_CHUNK, MAX_CHUNK = 64, 1 << 24  # chunk-wise selection: entries per chunk
 
 
 @dataclass
@@ -19,6 +20,9 @@ class CodecConfig:
     ratio is the steady-state fraction of entries sent; during warm-up the ratio decays
     exponentially from warmup_start_ratio to ratio (as in Deep Gradient Compression), so
     early, fast-changing gradients are sent denser.
+
+    chunk > 0 selects chunk-wise: each run of ``chunk`` consecutive entries keeps its own share of
+    the k entries (0: the k largest of the whole vector).
 
     min_bytes is a floor on the payload body: a step sends at least as many entries as fill it
     (for a small model, more than ``ratio`` asks). Below a few tens of kilobytes a payload's time
@@ -35,6 +39,7 @@ class CodecConfig:
     clip_norm: float | None = None
     exact: bool = False
     min_bytes: int = 0
+    chunk: int = 0
 
     def ratio_at(self, step: int) -> float:
         """Ratio in effect at ``step``: exponential decay over warm-up, then the target."""
@@ -70,6 +75,9 @@ class CodecConfig:
             raise ValueError(f"clip_norm must be None or a finite number > 0, got {self.clip_norm!r}")
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"min_bytes must be an int >= 0, got {self.min_bytes!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not (
+                self.chunk == 0 or MIN_CHUNK <= self.chunk <= MAX_CHUNK):
+            raise ValueError(f"chunk must be 0 or an int in [{MIN_CHUNK}, {MAX_CHUNK}], got {self.chunk!r}")
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be a bool, got {self.exact!r}")
 

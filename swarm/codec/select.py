@@ -8,6 +8,10 @@ exact Top-K set (ties broken by lowest index in the fast path).
 
 Selection semantics: the k largest |x| among the NON-ZERO entries (sending zeros
 wastes bytes), so fewer than k come back when x has fewer than k non-zeros.
+
+Chunk-wise selection (``select_chunked``, SparseLoCo's): the vector is cut into chunks of
+``chunk`` consecutive entries and each keeps its own share of k, so every part of the model is
+updated at every step instead of the few tensors whose gradients happen to be largest.
 """
 
 from __future__ import annotations
@@ -81,6 +85,42 @@ def topk_fast(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray | N
     if c < k or c > MAX_SURPLUS * k:
         return None
     return _trim(x, cand, k)
+
+
+def chunk_quotas(n: int, k: int, chunk: int) -> np.ndarray:
+    """int64 [ceil(n / chunk)]: how many of the k entries each chunk keeps, in proportion to its
+    length (the last chunk may be shorter); they sum to k (0 <= k <= n)."""
+    ends = np.minimum(np.arange(1, (n + chunk - 1) // chunk + 1, dtype=np.int64) * chunk, n)
+    cum = (k * ends) // n
+    return np.diff(np.concatenate([[0], cum]))
+
+
+def select_chunked(x: np.ndarray, k: int, chunk: int) -> np.ndarray:
+    """Sorted int64 indices: within each chunk of ``chunk`` consecutive entries, its quota
+    (chunk_quotas) of the largest non-zero |x|. Exact, via torch.topk on the chunks as rows (which
+    of equal magnitudes wins a tie is torch's choice)."""
+    n = x.size
+    if k <= 0 or n == 0:
+        return np.empty(0, dtype=np.int64)
+    quota = chunk_quotas(n, min(k, n), chunk)
+    full = n // chunk
+    parts = []
+    if full:
+        rows = torch.from_numpy(x[:full * chunk]).view(full, chunk)
+        qmax = int(quota[:full].max())
+        if qmax:
+            order = torch.topk(rows.abs(), qmax, dim=1, sorted=True).indices  # largest first
+            keep = torch.arange(qmax).unsqueeze(0) < torch.from_numpy(quota[:full]).unsqueeze(1)
+            flat = (order + torch.arange(full).unsqueeze(1) * chunk)[keep].numpy()
+            parts.append(flat)
+    if full * chunk < n and quota[-1]:
+        tail = x[full * chunk:]
+        order = np.argsort(-np.abs(tail), kind="stable")[:int(quota[-1])]
+        parts.append(order.astype(np.int64) + full * chunk)
+    idx = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    idx = idx[x[idx] != 0]
+    idx.sort()
+    return idx.astype(np.int64, copy=False)
 
 
 def select_topk(x: np.ndarray, k: int, *, exact: bool = False,
