@@ -171,6 +171,11 @@ class PeerConfig:
             need(os.path.exists(self.data), f"--data {self.data!r} does not exist")
 
 
+def bracket_host(host: str) -> str:
+    """An IPv6 address in brackets, for a URL (any other host as it is)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def parse_hostport(text: str, *, what: str, port_optional: bool = False) -> tuple[str, int | None]:
     """'host:port' (or '[v6]:port') -> (host, port); ConfigError on anything else."""
     text = text.strip()

@@ -25,12 +25,13 @@ from aiohttp import web
 from . import checkpoint, divergence, robust, roundbook, threads
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
-from .config import ConfigError, PeerConfig, parse_hostport
+from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
 from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Membership, MembershipConfig, SendPing, SendSync
+from .joining import JoinError, Joining
 from .membership_shell import MembershipShell
 from .status import report
 from .status.timeline import Timeline
@@ -44,16 +45,11 @@ from .roles import Role, Solo
 from .task import Task, TaskError, TaskTypeError, load_task
 from .tasks import default_task
 from .transport import ByteCounts, PeerUnreachable, Transport
-from .bodies import PROTOCOL_VERSION, unpack_map
 
 log = logging.getLogger("swarm")
 
 FIRST_CHECK = 10  # replicas also compare sketches at this step: when a racing join is likeliest to have split them
 SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
-
-
-class JoinError(Exception):
-    """The swarm could not be joined (unreachable, or it refused us with a reason)."""
 
 
 @dataclass
@@ -133,6 +129,7 @@ class Peer:
         self.task_failures: collections.Counter[str] = collections.Counter()
         self.failure: str | None = None  # why a task the peer cannot do without stopped it
         self.shell = MembershipShell(self)  # SWIM's actions over HTTP; the table map follows the live set
+        self.joining = Joining(self)  # settings agreed, the join, a checkpoint resumed (swarm/joining.py)
         self.replica: Replica | None = None
         # the last round's combined payloads, in the replica's flat space (a host group's leader
         # broadcasts it: its ranks step on the same bits), and what combining them found
@@ -231,7 +228,7 @@ class Peer:
         self.verifier = auth.Verifier(self.cfg.secret) if self.cfg.secret else None
         self.status_token = auth.status_token(self.cfg.secret) if self.cfg.secret and self.cfg.status_auth else None
         self.transport.signer = auth.Signer(self.cfg.secret) if self.cfg.secret else None
-        await self._agree_settings()
+        await self.joining.agree_settings()
         self.replica = await self.work(self._build_replica, device)
         self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, chunk=self.cfg.chunk,
@@ -258,14 +255,14 @@ class Peer:
                               if self.cfg.advertise else (self.cfg.host, None))
         if adv_host in ("0.0.0.0", "::", ""):
             adv_host = "127.0.0.1"
-        self.addr = f"http://{_bracket(adv_host)}:{adv_port or port}"
+        self.addr = f"http://{bracket_host(adv_host)}:{adv_port or port}"
         self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
                                   meta={"step": 0, "active": 0, "active_from": 0})
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
         self._exit.callback(self.table_client.batcher.close)
-        self.out(f"listening on http://{_bracket(self.cfg.host)}:{port} as peer {self.id} "
+        self.out(f"listening on http://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
         if generated:
             self.out(f"join this swarm with: python3 peer.py --join {self.addr[len('http://'):]} "
@@ -275,91 +272,13 @@ class Peer:
         join = self.cfg.join
         if comm is not None:
             join = await self._form_group(comm, join)
-        resume = await self._read_checkpoint()
+        resume = await self.joining.read_checkpoint()
         if join:
-            await self._join(join)
+            await self.joining.join(join)
         if resume is not None:
-            await self._resume(resume)
+            await self.joining.resume(resume)
         await self.shell.update_map()
         self._spawn(self.shell.run(), "membership", critical=True)
-
-    # -- the swarm's settings (swarm/settings.py) ------------------------------------------------
-    async def _agree_settings(self) -> None:
-        """Before the replica is built: take the swarm-wide settings this peer was not given from its
-        checkpoint, then from the swarm it joins; a given setting that differs is refused."""
-        cfg = self.cfg
-        mine = swarm_settings.given(cfg)
-        if cfg.checkpoint:
-            saved = await asyncio.to_thread(checkpoint.read_settings, cfg.checkpoint)
-            if saved is not None:
-                clash = swarm_settings.conflict(saved, mine)
-                if clash:
-                    raise checkpoint.CheckpointError(f"{cfg.checkpoint} was written by a swarm with other settings: "
-                                                     f"{clash.replace('this swarm uses', 'it uses')}")
-                if cfg.is_given("steps") and not cfg.is_given("budget"):
-                    saved = {**saved, "budget": cfg.budget}  # a resumed run's --steps extends its schedule
-                swarm_settings.adopt(cfg, saved)
-        if cfg.join:
-            info = await self._swarm_info(cfg.join)
-            clash = swarm_settings.conflict(info["settings"], mine)
-            if clash:
-                raise JoinError(clash)
-            swarm_settings.adopt(cfg, info["settings"])
-        self.settings = swarm_settings.of(cfg)
-        self.book = roundbook.RoundBook(max_staleness=cfg.max_staleness)
-        self.robust_cfg = robust.RobustConfig(rule=cfg.aggregation, trim=cfg.trim, msg_clip=cfg.msg_clip)
-
-    async def _swarm_info(self, join: str) -> dict:
-        """GET /v1/swarm of the join target (retried while it is unreachable or starting): its
-        protocol and settings. Something that is not a swarm peer is a JoinError saying so."""
-        data = await self._ask(join, "GET /v1/swarm", lambda target: self.transport.request(
-            "GET", target + "/v1/swarm", timeout=5.0, kind="control"))
-        try:
-            info = unpack_map(data, 1 << 20)
-        except Exception:
-            info = None
-        if not isinstance(info, dict) or info.get("swarm") != "swarm-peer":
-            raise JoinError(not_a_peer(join, "its answer to GET /v1/swarm is not a swarm peer's"))
-        if info.get("protocol") != PROTOCOL_VERSION:
-            raise JoinError(f"{join} speaks swarm protocol {info.get('protocol')!r}, this peer {PROTOCOL_VERSION}: "
-                            "run the same swarm version on every peer")
-        try:
-            info["settings"] = swarm_settings.parse(info.get("settings"))
-        except ConfigError as e:
-            raise JoinError(f"{join}: {e}") from None
-        return info
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    async def _read_checkpoint(self) -> "checkpoint.Checkpoint | None":
-        """Read --checkpoint (if any) and hold its table slots as candidates for the hand-offs."""
-        if not self.cfg.checkpoint:
-            return None
-        ck = await asyncio.to_thread(checkpoint.load, self.cfg.checkpoint, self.table_layout())
-        if ck is not None:
-            try:
-                n = await self.table_work(self.tables.install_checkpoint, ck.tables)
-            except ValueError as e:
-                raise checkpoint.CheckpointError(f"{self.cfg.checkpoint}: {e}") from None
-            self._event("checkpoint", f"read step {ck.step} with {n} table slots from {self.cfg.checkpoint}")
-        return ck
-
-    async def _resume(self, ck: "checkpoint.Checkpoint") -> None:
-        """Resume the dense replica from the checkpoint, unless the swarm we joined is already
-        training: its state is newer, and we sync it like any joiner."""
-        if self.started:
-            self._event("checkpoint", "the swarm is training: its state is newer than our checkpoint")
-            self.out(f"not resuming from the checkpoint in {self.cfg.checkpoint} (step {ck.step}): the swarm is "
-                     "training, so this peer syncs its newer state")
-            return
-        try:
-            step = await self.work(self.replica.load_state_blob, ck.dense)
-            self.compressor.load_state_dict(ck.residual)
-        except (ValueError, KeyError) as e:
-            raise checkpoint.CheckpointError(f"{self.cfg.checkpoint}: {e}") from None
-        self.book.reset(step)
-        self.members.set_meta(step=step)
-        self._event("resumed", f"dense state of step {step} from {self.cfg.checkpoint}")
-        self.out(f"resumed from the checkpoint in {self.cfg.checkpoint} at step {step}")
 
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,
@@ -387,50 +306,6 @@ class Peer:
         if not join and comm.rank > 0:
             join = addrs[0][len("http://"):]
         return join
-
-    async def _ask(self, join: str, what: str, call: Callable[[str], Any]) -> Any:
-        """``call(target)`` on the --join target, retried while it is unreachable or starting (up to
-        --join-timeout); a refusal, or an answer that is not a swarm peer's, is a JoinError saying so."""
-        host, port = parse_hostport(join, what="--join")
-        target = f"http://{_bracket(host)}:{port}"
-        deadline = time.monotonic() + self.cfg.join_timeout
-        while True:
-            try:
-                return await call(target)
-            except PeerUnreachable as e:
-                if e.foreign and e.status is not None:
-                    raise JoinError(not_a_peer(join, f"it answered {what} with HTTP {e.status}")) from None
-                if e.status is not None and 400 <= e.status < 500:
-                    raise JoinError(f"{target} refused to let us join: {e.reason}") from None
-                if time.monotonic() > deadline:
-                    raise JoinError(f"cannot reach {target} to join: {e.reason}") from None
-                await asyncio.sleep(0.5)
-
-    async def _join(self, join: str) -> None:
-        host, port = parse_hostport(join, what="--join")
-        target = f"http://{_bracket(host)}:{port}"
-        body = self._hello()
-        reply = await self._ask(join, "POST /v1/join",
-                                lambda t: self.transport.call(t, "/v1/join", body, timeout=5.0))
-        try:
-            self.members.handle_join_reply(reply.get("membership"), time.monotonic())
-            swarm_step, started = int(reply["step"]), bool(reply["started"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise JoinError(f"{target} sent a malformed join reply: {e}") from None
-        self.join_target = target
-        self._event("joined", f"through {target} at swarm step {swarm_step}")
-        if started:
-            self.book.reset(swarm_step)
-            self.started = True  # we must sync state before contributing
-
-    def _hello(self) -> dict:
-        return {
-            "protocol": PROTOCOL_VERSION,
-            "task": self.replica.fingerprint,
-            "settings": self.settings,
-            "tables": self.table_layout(),
-            "membership": self.members.join_request(),
-        }
 
     def table_layout(self) -> str:
         """What every peer must agree on for the ownership maps to agree: rows, width, slots, replicas."""
@@ -1044,12 +919,3 @@ async def _cancelled(fut: asyncio.Future | None) -> None:
         fut.cancel()
         await asyncio.gather(fut, return_exceptions=True)
     return None
-
-
-def not_a_peer(join: str, why: str) -> str:
-    return f"--join {join} is not a swarm peer: {why} (check the host and port)"
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-

@@ -159,14 +159,11 @@ async def test_a_perturbed_replica_resyncs_from_the_majority_and_ends_equal():
     assert summaries[0]["resyncs"] == {} and summaries[1]["resyncs"] == {}
     assert summaries[0]["param_sketch"] == summaries[1]["param_sketch"] == summaries[2]["param_sketch"]
     assert all(s["steps"] == 30 for s in summaries)
-    # the table replica was found by the audit and repaired from its primary
+    # the table replica was found by the audit and repaired from its primary (that the repaired
+    # copy is the primary's, bit for bit, is tests/test_tables_swarm.py's; here the peers leave one
+    # by one at the end, and the slots they hand over make a final comparison racy)
     assert summaries[1]["table_stats"]["replicas_repaired"] >= 1
     assert any(e["kind"] == "table-repair" for e in holder.events)
-    omap = peers[0].tables.map
-    for table in omap.tables:
-        for slot in range(omap.n_slots(table)):
-            owners = [p for p in peers if p.id in omap.owners(table, slot)]
-            assert len({p.tables.shards[table].checksum(slot) for p in owners}) == 1, (table, slot)
 
 
 async def test_a_peer_waiting_for_min_peers_joins_a_swarm_that_is_training():

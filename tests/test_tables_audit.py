@@ -126,6 +126,25 @@ def test_a_replica_that_missed_an_update_nobody_replays_is_repaired_at_the_secon
     assert svcs[replica].shards["ngram"].digest(slot) == svcs[primary].shards["ngram"].digest(slot)
 
 
+def test_a_copy_older_than_ours_is_not_installed():
+    """The primary's copy was taken, then a replay reached us: installing the copy would drop that
+    update. The repair declines; the next audit compares again."""
+    svcs = services()
+    m = svcs["p-a"].map
+    slot = 4
+    primary, replica = m.owners("ngram", slot)
+    lo, _ = m.slot_rows("ngram", slot)
+    blob = svcs[primary].export_slot_or_fresh("ngram", slot)  # FRESH: never updated yet
+    old = svcs[primary].export_slot("ngram", slot)
+    replicate_all(svcs, push_to_primaries(svcs, np.array([lo]), key="x:0"))
+    after = svcs[replica].shards["ngram"].checksum(slot)
+    assert svcs[replica].repair("ngram", slot, blob, m.view) is False
+    assert svcs[replica].repair("ngram", slot, old, m.view) is False
+    assert svcs[replica].shards["ngram"].checksum(slot) == after == svcs[primary].shards["ngram"].checksum(slot)
+    newer = svcs[primary].export_slot("ngram", slot)
+    assert svcs[replica].repair("ngram", slot, newer, m.view) is True  # as new as ours: installed
+
+
 def test_digests_and_repairs_are_fenced_by_the_view_and_check_the_copy():
     svcs = services()
     m = svcs["p-a"].map

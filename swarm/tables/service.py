@@ -421,20 +421,29 @@ class TableService:
     def repair(self, table: str, slot: int, blob: bytes | int, view: str) -> bool:
         """Replace our replica copy of ``slot`` with its primary's (an audit found them apart), a
         slot blob or FRESH (never updated: its initial rows). False, changing nothing, when the map
-        changed since (``view``) or we no longer replicate it; raises WireError / ShardError for a
-        copy that does not decode as that slot."""
+        changed since (``view``), we no longer replicate it, or the copy is older than ours (a
+        replay reached us after it was taken); raises WireError / ShardError for a copy that does
+        not decode as that slot."""
         m = self.map
         if m is None or m.view != view or (table, slot) in self.moving or not self.shards[table].has_slot(slot):
             return False
         if self.self_id not in m.owners(table, slot)[1:]:
             return False
+        shard = self.shards[table]
+        ours = shard.digest(slot)[0]
         if blob == FRESH:
-            self.shards[table].create_slot(slot)
+            if ours:  # replays reached us since the primary's copy was taken: it is older than ours
+                return False
+            shard.create_slot(slot)
         else:
             name, got, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows, self.opt.kind)
             if (name, got) != (table, slot):
                 raise ShardError(f"asked for slot {slot} of {table!r}, got slot {got} of {name!r}")
-            self.shards[table].import_slot(slot, tensors)
+            if int(tensors["step"].sum()) < ours:
+                # a replay landed here after the copy was taken: installing it would drop that update;
+                # the next audit compares again
+                return False
+            shard.import_slot(slot, tensors)
         self.stats.replicas_repaired += 1
         return True
 
