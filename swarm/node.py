@@ -30,7 +30,7 @@ from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
-from .membership import Membership, MembershipConfig, SendPing, SendSync
+from .membership import Membership, MembershipConfig, SendSync
 from .joining import JoinError, Joining
 from .membership_shell import MembershipShell
 from .status import report
@@ -301,7 +301,7 @@ class Peer:
             raise JoinError("two ranks of this host group have the same peer id")
         self.group = HostGroup(self, comm, ids)
         self.members.set_meta(group=ids[0], grank=comm.rank)
-        self._event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.replica.device}); "
+        self.event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.replica.device}); "
                              f"leader {ids[0][:8]}")
         if not join and comm.rank > 0:
             join = addrs[0][len("http://"):]
@@ -418,7 +418,7 @@ class Peer:
         await asyncio.sleep(self.cfg.push_window)
         await self.table_client.batcher.settled()
 
-    async def _until_ready(self) -> None:
+    async def until_ready(self) -> None:
         """Wait for --min-peers, or (a joiner of a running swarm) sync state and catch up first."""
         if self.started:
             await self._sync_state()
@@ -431,7 +431,7 @@ class Peer:
                 if isinstance(decision, Start):
                     break
                 if isinstance(decision, JoinTraining):  # the swarm went ahead without us: do not split it
-                    self._event("min-peers", f"the swarm is training (step {decision.step}) with fewer than "
+                    self.event("min-peers", f"the swarm is training (step {decision.step}) with fewer than "
                                              f"{self.cfg.min_peers} peers: joining it instead of waiting")
                     self.stop_contributing(last=-1)
                     self.book.reset(decision.step)
@@ -466,7 +466,7 @@ class Peer:
         """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
         self.take_shard()
         self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
-        self._event("active", f"contributing from step {from_step}")
+        self.event("active", f"contributing from step {from_step}")
 
     async def _sync_state(self, donor_id: str | None = None) -> None:
         """Download parameters and optimizer state from a live peer (``donor_id`` if it is one), then
@@ -489,7 +489,7 @@ class Peer:
         except (PeerUnreachable, ValueError) as e:
             raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
         self.book.reset(step)
-        self._event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
+        self.event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
         # Replay every round whose payloads are all here, then join at the front a few steps on,
         # so that the others know to wait for us before our first payload is due.
         while not self._stop.is_set():
@@ -537,18 +537,25 @@ class Peer:
             if m is not None:
                 self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
 
+    def next_step(self) -> int | str:
+        """What the loop does next, as a plain peer or a host group's leader decides it: STOP (stop()
+        was called, or --steps is reached), RESYNC (core.rounds.must_resync), else the step to take."""
+        if self.stopping or (self.cfg.steps != 0 and self.book.step >= self.cfg.steps):
+            return STOP
+        return RESYNC if self.must_resync() else self.book.step
+
     def must_resync(self) -> bool:
         """Fallen too far behind the swarm, or our replica differs from the majority's."""
         return rounds.must_resync(self.book.step, self.metas(), self.diverged_from is not None)
 
-    async def _resync(self) -> None:
+    async def resync(self) -> None:
         """We fell behind (stalled, stopped, cut off) or our replica diverged: stop contributing,
         sync state like a joiner (from a peer of the majority when we diverged)."""
         donor, self.diverged_from = self.diverged_from, None
         cause = "diverged" if donor is not None else "lag"
         self.resyncs[cause] += 1
         if donor is None:
-            self._event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
+            self.event("resync", f"{self._behind()} steps behind the swarm: syncing state from a peer")
         self.active = False
         self.lifecycle.to(State.RESYNCING, time.monotonic())
         self.sketch_note = None
@@ -557,7 +564,7 @@ class Peer:
         try:
             await self._sync_state(donor)
         except JoinError as e:
-            self._event("resync-failed", str(e))
+            self.event("resync-failed", str(e))
         self.active = True
         self.lifecycle.to(State.TRAINING, time.monotonic())
 
@@ -639,18 +646,10 @@ class Peer:
         """stop() was called (or the peer is closing): the loop ends after the current step."""
         return self._stop.is_set()
 
-    def suspects(self) -> set[str]:
-        """Members currently suspected (their rows are asked of another owner first)."""
-        return self.shell.suspects()
-
     def spawn(self, coro, name: str) -> asyncio.Task:
         """Run ``coro`` in the background for as long as the peer lives (cancelled at close); its
         failure is an event and counts in swarm_task_failures{task=name}."""
         return self._spawn(coro, name)
-
-    def event(self, kind: str, detail: str) -> None:
-        """A line in the peer's event log (status page, /api/events)."""
-        self._event(kind, detail)
 
     def push_in_background(self, grads: dict, key: str) -> None:
         """Send row gradients to their primaries without waiting (drain_pushes waits)."""
@@ -669,24 +668,12 @@ class Peer:
         """A member is gone: its send queue goes (its sender task ends on its own)."""
         self._outboxes.pop(peer_id, None)
 
-    async def forward_ping(self, ping: SendPing) -> dict:
-        """For /v1/ping-req: ping the target on a requester's behalf."""
-        return await self.shell.forward_ping(ping)
-
     def follow(self, step: int, leader: str) -> None:
         """A rank of a host group took its leader's state of ``step``: it trains from there."""
         if self.replica.shard is None:
             self.take_shard()
-            self._event("active", f"following {leader[:8]} (rank 0) from step {step}")
+            self.event("active", f"following {leader[:8]} (rank 0) from step {step}")
         self.lifecycle.to(State.TRAINING, time.monotonic())
-
-    async def until_ready(self) -> None:
-        """The --min-peers wait (or a joiner's state sync) before the first step."""
-        await self._until_ready()
-
-    async def resync(self) -> None:
-        """Sync state again after falling behind or diverging (see _resync)."""
-        await self._resync()
 
     def check_finite(self, stats: StepStats, step: int) -> None:
         """A non-finite loss skipped the step (its gradient was dropped) and is counted; too many in
@@ -694,7 +681,7 @@ class Peer:
         if stats.finite:
             return
         run = self.replica.nonfinite_run
-        self._event("nonfinite", f"step {step}: the loss was {stats.loss}; the step's gradient was dropped ({run} in a row)")
+        self.event("nonfinite", f"step {step}: the loss was {stats.loss}; the step's gradient was dropped ({run} in a row)")
         if run >= MAX_NONFINITE:
             raise TaskError(f"the task's loss was not finite in {run} steps in a row (last at step {step}): stopping")
 
@@ -726,14 +713,14 @@ class Peer:
         self.step_times.mark("round")
         result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
         if result.timed_out:
-            self._event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
+            self.event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
         # payloads of banned senders (filed before the ban) leave the round, on every peer alike
         result.on_time = self.robust.split(result.on_time, time.monotonic())[0]
         result.late = self.robust.split(result.late, time.monotonic())[0]
         await self.work(self.apply_round, result)
         self.step_times.mark("apply")
         for pid in self.robust.observe(self.last_report, time.monotonic()):
-            self._event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
+            self.event("banned", f"{pid[:8]} for {self.cfg.ban_seconds:g} s: its payloads were outliers")
 
     async def after_step(self, step: int, loss: float) -> None:
         """After a step was applied: tell the swarm, keep the status series, evaluate, checkpoint, print."""
@@ -772,11 +759,11 @@ class Peer:
             repaired = await self.table_client.audit(self.table_audit)
         except Exception as e:  # an audit must never take the peer down; the next one tries again
             log.exception("table replica audit failed")
-            self._event("audit-failed", f"{type(e).__name__}: {e}")
+            self.event("audit-failed", f"{type(e).__name__}: {e}")
             return 0
         if repaired:
             tables = sorted({t for t, _ in repaired})
-            self._event("table-repair", f"{len(repaired)} replica slots of {', '.join(tables)} differed from "
+            self.event("table-repair", f"{len(repaired)} replica slots of {', '.join(tables)} differed from "
                                         f"their primary's: replaced by its copy")
         return len(repaired)
 
@@ -798,7 +785,7 @@ class Peer:
         donor = divergence.verdict(me, notes)
         if donor is not None:
             self.diverged_from = donor
-            self._event("diverged", f"our replica's sketch at step {me.step} differs from the majority's "
+            self.event("diverged", f"our replica's sketch at step {me.step} differs from the majority's "
                                     f"({len(notes)} other peers compared): re-syncing from {donor[:8]}")
 
     async def evaluate_first(self) -> None:
@@ -851,7 +838,7 @@ class Peer:
                 await asyncio.sleep(0.05)
             actions = self.members.leave(time.monotonic())
             await asyncio.gather(*(self.shell.carry_out(a) for a in actions), return_exceptions=True)
-            self._event("left", "")
+            self.event("left", "")
         self.lifecycle.to(State.LEFT, time.monotonic())
         self._stop.set()
         await self.close()
@@ -887,7 +874,7 @@ class Peer:
             e = t.exception()
             log.error("background task %s failed", name, exc_info=e)
             self.task_failures[name.split(":")[0]] += 1
-            self._event("task-failed", f"{name}: {type(e).__name__}: {e}"[:300])
+            self.event("task-failed", f"{name}: {type(e).__name__}: {e}"[:300])
             if on_failure is not None:
                 on_failure()
             if critical and not self._stop.is_set():
@@ -897,7 +884,8 @@ class Peer:
         task.add_done_callback(done)
         return task
 
-    def _event(self, kind: str, detail: str) -> None:
+    def event(self, kind: str, detail: str) -> None:
+        """A line in the peer's event log (status page, /api/events)."""
         self.events.append({"at": time.time(), "kind": kind, "detail": detail})
         log.info("%s %s", kind, detail)
 

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from .core.lifecycle import RESYNC, STOP
-
 if TYPE_CHECKING:
     from .node import Peer
 
@@ -55,10 +53,7 @@ class Solo:
         return not self.peer.stopping
 
     async def command(self) -> int | str:
-        p = self.peer
-        if p.stopping or (p.cfg.steps != 0 and p.book.step >= p.cfg.steps):
-            return STOP
-        return RESYNC if p.must_resync() else p.book.step
+        return self.peer.next_step()
 
     async def resync(self) -> None:
         await self.peer.resync()

@@ -177,7 +177,7 @@ async def ping_req(request: web.Request) -> web.Response:
     forward = peer.members.handle_ping_req(await _control(request), time.monotonic())
     if forward is None:
         return msgpack_response({"ok": False})
-    return msgpack_response(await peer.forward_ping(forward))
+    return msgpack_response(await peer.shell.forward_ping(forward))
 
 
 async def sync(request: web.Request) -> web.Response:

@@ -101,13 +101,12 @@ class HostGroup:
         """The leader decides (as a plain peer does) and tells every rank; the others obey."""
         p = self.peer
         if self.leader:
-            if p.stopping or (p.cfg.steps != 0 and p.book.step >= p.cfg.steps):
+            decision = p.next_step()
+            if decision is STOP:
                 await p.work(self.comm.broadcast_ints, [CMD_STOP, p.book.step, 0], 3)
-                return STOP
-            if p.must_resync():
-                return RESYNC
-            await p.work(self.comm.broadcast_ints, [CMD_STEP, p.book.step, 0], 3)
-            return p.book.step
+            elif decision is not RESYNC:  # (a re-sync: the others get the new state in resync)
+                await p.work(self.comm.broadcast_ints, [CMD_STEP, decision, 0], 3)
+            return decision
         while True:
             cmd, step, size = await p.work(self.comm.broadcast_ints, None, 3)
             if cmd == CMD_STOP:
@@ -173,7 +172,7 @@ class HostGroup:
         hosts') comes through TableClient.pull; rows the group did not serve are pulled over HTTP."""
         p = self.peer
         omap = p.tables.map
-        per_rank, rest = self.rows.split_pull(omap, want, down=p.suspects())
+        per_rank, rest = self.rows.split_pull(omap, want, down=p.shell.suspects())
         http = asyncio.ensure_future(p.table_client.pull(rest))
         try:
             ex = await p.work(self.rows.request, per_rank, omap.view)
