@@ -500,13 +500,21 @@ class Peer:
         if donor is None:
             raise JoinError("no live, contributing peer to sync state from")
         limit = self.state_limit()
-        try:
-            blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
-                                                reply_limit=limit, kind="state")
-            step = await self.work(self.replica.load_state_blob, blob)
-        except (PeerUnreachable, ValueError) as e:
-            raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
-        self.book.reset(step)
+        while True:
+            try:
+                blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
+                                                    reply_limit=limit, kind="state")
+                step = await self.work(self.replica.load_state_blob, blob)
+            except (PeerUnreachable, ValueError) as e:
+                raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
+            self.book.reset(step)
+            gap = rounds.snapshot_gap(step, self.metas(), lambda p: self.book.has(step, p), self.book.last_step_from)
+            if not gap or time.monotonic() - t0 > self.cfg.sync_timeout + 30 or self._stop.is_set():
+                break
+            # a round-``step`` payload was sent before its sender knew us: a newer snapshot has it applied
+            self.event("sync-retry", f"state of step {step} is older than the payloads that reached us from "
+                                     f"{', '.join(p[:8] for p in gap)}: downloading a newer one")
+            await asyncio.sleep(0.3)
         self.event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
         # Replay every round whose payloads are all here, then join at the front a few steps on,
         # so that the others know to wait for us before our first payload is due.
@@ -522,7 +530,8 @@ class Peer:
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
-        while self.book.step < start and not self._stop.is_set():
+        while self.book.step < start and not self._stop.is_set() and not (
+                self.rounds_total and self.book.step >= self.rounds_total):  # no round comes after the last
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
