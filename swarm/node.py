@@ -255,7 +255,8 @@ class Peer:
         codec_cfg.validate()
         self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
         self.tables = TableService(self.id, self.replica.table_specs, replicas=self.cfg.replicas,
-                                   slots=self.cfg.table_slots, opt=RowOptConfig(kind="adam", lr=self.replica.table_lr),
+                                   slots=self.cfg.table_slots,
+                                   opt=RowOptConfig(kind="adam", lr=self.replica.table_lr, deltas=self.window > 1),
                                    inits=self.replica.table_inits)
         if not self.cfg.secret:
             import sys

@@ -121,7 +121,7 @@ def test_state_blob_of_local_steps_carries_the_global_vector_and_is_refused_else
 
 
 # -- the window's table rows ----------------------------------------------------------------------
-def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_summed_gradient():
+def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_delta():
     w = WindowRows({"t": 4}, RowOptConfig(kind="adam", lr=0.1))
     first = {"t": np.array([1, 5, 9])}
     assert np.array_equal(w.missing(first)["t"], [1, 5, 9])
@@ -140,9 +140,11 @@ def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_summed_gr
     assert torch.equal(moved[2], torch.ones(4))  # an unserved row does not move
     g2 = torch.tensor([[0.5, 0.5, 0.5, 0.5]] * 3)
     w.update({"t": (second["t"], g2)})
-    ids, grads = w.pushes()["t"]
+    ids, deltas = w.pushes()["t"]
     assert ids.tolist() == [0, 1, 5]  # 9 was never served: no push
-    assert torch.allclose(grads, torch.stack([g2[0], g1[0], g1[1] + g2[1]]))
+    now = w.rows({"t": np.array([0, 1, 5])})["t"]
+    assert torch.allclose(deltas, torch.stack([torch.full((4,), 2.0), torch.ones(4), torch.ones(4)]) - now)
+    assert torch.allclose(deltas[0], torch.full((4,), 0.1), atol=1e-5)  # row 0: one Adam step, lr 0.1
     w.clear()
     assert w.pulled == 0 and w.pushes()["t"][0].size == 0
     with pytest.raises(KeyError):
@@ -296,3 +298,23 @@ async def test_sigkill_of_a_peer_mid_window_the_others_finish_in_agreement(spawn
         assert s["steps"] == 48 and s["steps_contributed"] == 48
         assert s["val_loss"] < s["first_loss"] - 1.0
     assert sa["param_sketch"] == sb["param_sketch"]
+
+
+def test_a_shard_in_delta_mode_subtracts_window_deltas_and_averages_those_of_one_row():
+    from swarm.tables import TableSpec
+    from swarm.tables.formats import PushRequest
+    from swarm.tables.service import TableService
+    spec = TableSpec("t", 64, 4)
+    svc = TableService("me", [spec], replicas=1, slots=4, opt=RowOptConfig(kind="adam", lr=0.1, deltas=True))
+    svc.set_members(["me"], 0.0)
+    before = svc.read_local("t", np.array([1, 2]))
+    view = svc.map.view
+    d1 = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]])
+    d2 = torch.tensor([[3.0, 0, 0, 0]])
+    svc.accept_push(PushRequest(view, "a:0", {"t": np.array([1, 2])}, {"t": d1}))
+    svc.accept_push(PushRequest(view, "b:0", {"t": np.array([1])}, {"t": d2}))
+    svc.flush()
+    after = svc.read_local("t", np.array([1, 2]))
+    assert torch.allclose(before[0] - after[0], torch.tensor([2.0, 0, 0, 0]))  # the mean of 1 and 3
+    assert torch.allclose(before[1] - after[1], torch.tensor([0, 1.0, 0, 0]))
+    assert svc.shards["t"].steps(np.array([1, 2])).tolist() == [1, 1]  # one update each, counted

@@ -41,6 +41,10 @@ class RowOptConfig:
     lr: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # local steps (tables/window.py): every push carries a window's row delta (pulled minus the
+    # working copy), applied as it is (rows -= delta, the update counter +1, the optimizer state
+    # untouched) instead of an optimizer step on a gradient; the whole swarm agrees (--sync-every)
+    deltas: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -390,7 +394,10 @@ class TableShard:
         row = x[:, 0]
         step = self._step.index_select(0, idx) + 1
         o = self.opt
-        if o.kind == "adam":
+        if o.deltas:
+            row.sub_(g)
+            new_state = {k: x[:, 1 + i] for i, k in enumerate(self.state_keys)}
+        elif o.kind == "adam":
             b1, b2 = o.betas
             m, v = x[:, 1], x[:, 2]  # in place on the gathered copy
             m.mul_(b1).add_(g, alpha=1.0 - b1)

@@ -4,12 +4,14 @@ working copy the inner steps update, one push per row per window (sans-I/O, trai
 Within a window a peer trains on its own copy of the rows it has pulled: every inner step's row
 gradients update that copy with the row optimizer's rule (Adam, its state fresh each window and
 only here), so later inner steps see the rows move, as the dense parameters do. What goes to each
-row's primary at the end of the window is a **gradient**: the sum of the row's gradients over the
-window's inner steps (one push, its key the window). A primary applies it like any push: one step
-of its row optimizer, combined with the other peers' pushes of the same row that reach it within
-its push window (tables/service.py sums them); Adam's normalisation makes that step's size
-independent of how many inner steps touched the row. Rows the owners could not serve (zeros were
-used) get no push, as in per-step training.
+row's primary at the end of the window is a **delta**: the row as pulled minus its working copy
+(one push, its key the window). A swarm with local steps runs its shards in delta mode
+(RowOptConfig.deltas): a primary subtracts the delta as it is, and the deltas of one row that
+several peers push within its push window are averaged (tables/service.py), like the dense
+pseudo-gradients; replicas replay the same subtraction. A gradient summed over the window would
+have been one Adam step per window at the primary: a row would learn H times slower than the
+peer's local copy did (measured: H=32 lost 0.25 in val_loss against 200 per-step rounds). Rows the
+owners could not serve (zeros were used) get no push, as in per-step training.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ class _Rows:
     m: torch.Tensor = None  # type: ignore[assignment]
     v: torch.Tensor = None  # type: ignore[assignment]
     t: torch.Tensor = None  # type: ignore[assignment]  # per-row local step count (Adam's bias correction)
-    gsum: torch.Tensor = None  # type: ignore[assignment]
+    orig: torch.Tensor = None  # type: ignore[assignment]  # the rows as pulled
     absent: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # never served: no push
 
     def __post_init__(self) -> None:
         z = torch.zeros(0, self.dim)
-        self.rows, self.m, self.v, self.gsum = z, z.clone(), z.clone(), z.clone()
+        self.rows, self.m, self.v, self.orig = z, z.clone(), z.clone(), z.clone()
         self.t = torch.zeros(0, dtype=torch.int64)
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
@@ -80,7 +82,7 @@ class WindowRows:
             r.rows = torch.cat([r.rows, rows[t].to(torch.float32)]).index_select(0, idx)
             r.m = torch.cat([r.m, zeros]).index_select(0, idx)
             r.v = torch.cat([r.v, zeros]).index_select(0, idx)
-            r.gsum = torch.cat([r.gsum, zeros]).index_select(0, idx)
+            r.orig = torch.cat([r.orig, rows[t].to(torch.float32)]).index_select(0, idx)
             r.t = torch.cat([r.t, torch.zeros(len(new), dtype=torch.int64)]).index_select(0, idx)
             r.absent = np.concatenate([r.absent, gone])[order]
             self.pulled += len(new)
@@ -92,8 +94,8 @@ class WindowRows:
 
     @torch.no_grad()
     def update(self, row_grads: dict[str, tuple[np.ndarray, torch.Tensor]]) -> None:
-        """An inner step's row gradients: added to the window's sums, and one step of the row
-        optimizer on the working copy (rows that were never served stay zeros)."""
+        """An inner step's row gradients: one step of the row optimizer on the working copy (rows
+        that were never served stay zeros)."""
         b1, b2 = self.opt.betas
         for t, (ids, g) in row_grads.items():
             if not len(ids):
@@ -102,7 +104,6 @@ class WindowRows:
             pos = r.positions(ids)
             idx = torch.from_numpy(pos)
             g = g.to(torch.float32)
-            r.gsum.index_add_(0, idx, g)
             served = torch.from_numpy(~r.absent[pos]).unsqueeze(1)
             step = r.t.index_select(0, idx) + 1
             r.t.index_copy_(0, idx, step)
@@ -122,11 +123,12 @@ class WindowRows:
             r.rows.index_add_(0, idx, -(delta * served))
 
     def pushes(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-        """The window's push: {table: (ids, summed gradients)} of the served rows it touched."""
+        """The window's push: {table: (ids, deltas)} of the served rows it touched, each delta the
+        row as pulled minus its working copy (the primary subtracts it)."""
         out = {}
         for t, r in self.tables.items():
-            keep = (r.t > 0).numpy() & ~r.absent
-            out[t] = (r.ids[keep], r.gsum[torch.from_numpy(keep)])
+            keep = torch.from_numpy((r.t > 0).numpy() & ~r.absent)
+            out[t] = (r.ids[keep.numpy()], (r.orig - r.rows)[keep])
         return out
 
     def clear(self) -> None:
