@@ -28,7 +28,7 @@ A flag on the command line wins over the environment.
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
 --push-dtype, --max-staleness, --sketch-every, --ef-decay, and the local-step settings --sync-every,
---outer-lr, --outer-momentum, --outer-nesterov, --overlap) are fixed by the peer that starts the swarm and kept
+--outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio) are fixed by the peer that starts the swarm and kept
 in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
 
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
       "--outer-momentum 0.9 --outer-nesterov 1; default 0)")
     a("--overlap", type=int, help="with --sync-every: 1 = a window's round travels while the next window computes, "
       "and its outer step lands one window later (default 0)")
+    a("--row-ratio", type=float, help="with --sync-every: push only this share of a window's table-row deltas, "
+      "the largest first; the others are kept and added to the row's next delta (error feedback; default 1: all)")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
     a("--seed", type=int, help=f"the swarm seed: every peer builds the model under it, and all must use the same "
                                f"(default {d.seed})")

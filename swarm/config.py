@@ -62,6 +62,7 @@ class PeerConfig:
     outer_momentum: float = 0.0
     outer_nesterov: int = 0  # 1 = Nesterov outer momentum (DiLoCo's recipe: lr 0.7, momentum 0.9)
     overlap: int = 0  # 1 = window t's round travels while window t+1 computes (a one-window-delayed update)
+    row_ratio: float = 1.0  # with local steps: the share of a window's row deltas pushed (largest first; the rest carried)
     min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
     # model size and the sharded tables
@@ -137,6 +138,8 @@ class PeerConfig:
         need(not self.outer_nesterov or self.outer_momentum > 0, "--outer-nesterov needs an --outer-momentum > 0")
         need(self.overlap in (0, 1), f"--overlap must be 0 or 1, got {self.overlap}")
         need(not self.overlap or self.sync_every > 1, "--overlap needs --sync-every > 1 (it overlaps windows)")
+        need(0 < self.row_ratio <= 1, f"--row-ratio must be in (0, 1], got {self.row_ratio}")
+        need(self.row_ratio == 1 or self.sync_every > 1, "--row-ratio needs --sync-every > 1 (it selects window deltas)")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(0 <= self.min_payload <= 1 << 30, f"--min-payload must be in [0, 2**30] bytes, got {self.min_payload}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")

@@ -247,7 +247,7 @@ class Peer:
             self.replica.use_local_steps(OuterConfig(self.cfg.outer_lr, self.cfg.outer_momentum,
                                                      bool(self.cfg.outer_nesterov)))
             self.window_rows = WindowRows({t.name: t.dim for t in self.replica.table_specs},
-                                          RowOptConfig(kind="adam", lr=self.replica.table_lr))
+                                          RowOptConfig(kind="adam", lr=self.replica.table_lr), ratio=self.cfg.row_ratio)
         # the codec counts rounds: with local steps, --warmup-steps (inner steps) is that many windows
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, chunk=self.cfg.chunk,
                                 warmup_steps=self.cfg.warmup_steps // self.window, ef_decay=self.cfg.ef_decay,

@@ -318,3 +318,28 @@ def test_a_shard_in_delta_mode_subtracts_window_deltas_and_averages_those_of_one
     assert torch.allclose(before[0] - after[0], torch.tensor([2.0, 0, 0, 0]))  # the mean of 1 and 3
     assert torch.allclose(before[1] - after[1], torch.tensor([0, 1.0, 0, 0]))
     assert svc.shards["t"].steps(np.array([1, 2])).tolist() == [1, 1]  # one update each, counted
+
+
+def test_row_ratio_pushes_the_largest_row_deltas_and_carries_the_rest_to_the_next_window():
+    w = WindowRows({"t": 2}, RowOptConfig(kind="adam", lr=0.1), ratio=0.5)
+    ids = np.array([1, 2, 3, 4])
+    w.add({"t": ids}, {"t": torch.zeros(4, 2)}, {})
+    g = torch.tensor([[4.0, 0], [1, 0], [3, 0], [0.5, 0]])
+    w.update({"t": (ids, g)})
+    w.update({"t": (ids[:1], g[:1])})  # row 1 moves twice: the largest delta
+    sent_ids, sent = w.pushes()["t"]
+    assert len(sent_ids) == 2 and 1 in sent_ids.tolist()
+    carried = set(w.carry["t"][0].tolist())
+    assert carried == set(ids.tolist()) - set(sent_ids.tolist())
+    total = {int(i): d for i, d in zip(sent_ids, sent)}
+    w.clear()  # next window: the carry survives it and joins the rows' new deltas
+    w.add({"t": np.array([2])}, {"t": torch.zeros(1, 2)}, {})
+    w.update({"t": (np.array([2]), torch.tensor([[1.0, 0]]))})
+    w.ratio = 1.0
+    ids2, deltas2 = w.pushes()["t"]
+    assert sorted(ids2.tolist()) == sorted(carried)
+    for i, d in zip(ids2, deltas2):
+        total[int(i)] = total.get(int(i), 0) + d
+    # every row's deltas reached a push exactly once, row 2 with its two windows' sum
+    assert set(total) == {1, 2, 3, 4} and w.carry["t"][0].size == 0
+    assert torch.allclose(total[2], torch.tensor([0.2, 0.0]), atol=1e-5)

@@ -50,11 +50,20 @@ class _Rows:
 class WindowRows:
     """The working copy of one window's rows, for every table."""
 
-    def __init__(self, dims: dict[str, int], opt: RowOptConfig):
+    def __init__(self, dims: dict[str, int], opt: RowOptConfig, ratio: float = 1.0, carry_cap: int = 1 << 18):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         self.dims = dict(dims)
         self.opt = opt
+        self.ratio = ratio
+        self.carry_cap = carry_cap  # rows per table the carried deltas may hold (the smallest go first)
         self.tables = {t: _Rows(d) for t, d in self.dims.items()}
         self.pulled = 0  # rows pulled this window (each once)
+        # row deltas not pushed yet (--row-ratio < 1), per table: sorted ids and their deltas; they
+        # survive clear() and join the row's next delta (error feedback on the rows)
+        self.carry: dict[str, tuple[np.ndarray, torch.Tensor]] = {
+            t: (np.zeros(0, np.int64), torch.zeros(0, d)) for t, d in self.dims.items()}
+        self.dropped = 0  # carried rows dropped at the cap (their delta lost)
 
     def missing(self, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The ids of ``want`` (sorted-unique per table) not pulled yet this window."""
@@ -123,12 +132,31 @@ class WindowRows:
             r.rows.index_add_(0, idx, -(delta * served))
 
     def pushes(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-        """The window's push: {table: (ids, deltas)} of the served rows it touched, each delta the
-        row as pulled minus its working copy (the primary subtracts it)."""
+        """The window's push: {table: (ids, deltas)}, each delta the row as pulled minus its working
+        copy (the primary subtracts it), of the served rows it touched, plus what earlier windows
+        carried. With ``ratio`` < 1 only that share of the rows goes, those of the largest L2 norm;
+        the others are carried to the next window's push (called once per window)."""
         out = {}
         for t, r in self.tables.items():
             keep = torch.from_numpy((r.t > 0).numpy() & ~r.absent)
-            out[t] = (r.ids[keep.numpy()], (r.orig - r.rows)[keep])
+            ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep]
+            c_ids, c_deltas = self.carry[t]
+            if c_ids.size:
+                all_ids, inverse = np.unique(np.concatenate([ids, c_ids]), return_inverse=True)
+                merged = torch.zeros(len(all_ids), r.dim)
+                merged.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([deltas, c_deltas]))
+                ids, deltas = all_ids, merged
+            if self.ratio >= 1 or not ids.size:
+                out[t] = (ids, deltas)
+                self.carry[t] = (ids[:0], deltas[:0])
+                continue
+            k = max(1, int(np.ceil(self.ratio * ids.size)))
+            order = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)
+            send = np.sort(order[:k].numpy())
+            rest = np.sort(order[k:k + self.carry_cap].numpy())
+            self.dropped += max(0, ids.size - k - self.carry_cap)
+            out[t] = (ids[send], deltas[torch.from_numpy(send)])
+            self.carry[t] = (ids[rest], deltas[torch.from_numpy(rest)])
         return out
 
     def clear(self) -> None:
