@@ -80,7 +80,10 @@ class LocalSteps:
                 await asyncio.gather(nxt, return_exceptions=True)
         enc: Encoded = await peer.work(self._payload, w)
         last = peer.rounds_total != 0 and w + 1 >= peer.rounds_total
-        pushes = await peer.work(rows.pushes)
+        # each peer's row delta counts 1/P, P the contributors: a row's update is the mean over the
+        # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
+        peers = 1 + sum(1 for m in peer.metas().values() if m.contributor)
+        pushes = await peer.work(rows.pushes, 1.0 / peers)
         if last:  # the last rows go out before the last payload (Peer._settle_rows relies on it)
             await role.push(pushes, {}, w)
         peer.send_payload(enc)

@@ -308,12 +308,8 @@ class TableService:
             for t in tables:
                 by_table.setdefault(t, []).append((req.ids[t], req.grads[t]))
         combined = {}
-        deltas = next(iter(self.shards.values())).opt.deltas if self.shards else False
         for table, parts in by_table.items():
             ids, grads = sum_rows(parts)
-            if deltas and len(parts) > 1:  # window deltas of one row from several peers: their mean
-                counts = np.unique(np.concatenate([p[0] for p in parts]), return_counts=True)[1]
-                grads = grads / torch.from_numpy(counts).to(grads.dtype).unsqueeze(1)
             if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
             combined[table] = (ids, grads, sum(len(p[0]) for p in parts) - len(ids))

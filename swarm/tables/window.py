@@ -5,10 +5,11 @@ Within a window a peer trains on its own copy of the rows it has pulled: every i
 gradients update that copy with the row optimizer's rule (Adam, its state fresh each window and
 only here), so later inner steps see the rows move, as the dense parameters do. What goes to each
 row's primary at the end of the window is a **delta**: the row as pulled minus its working copy
-(one push, its key the window). A swarm with local steps runs its shards in delta mode
-(RowOptConfig.deltas): a primary subtracts the delta as it is, and the deltas of one row that
-several peers push within its push window are averaged (tables/service.py), like the dense
-pseudo-gradients; replicas replay the same subtraction. A gradient summed over the window would
+(one push, its key the window), scaled by 1/P for a swarm of P contributors: a row's update is
+the mean over the swarm of the peers' deltas, zero for a peer that did not touch it, as the dense
+pseudo-gradients are averaged. A swarm with local steps runs its shards in delta mode
+(RowOptConfig.deltas): a primary subtracts each push as it is, whether the peers' pushes of one
+row reach it in one flush or several, and replicas replay the same subtraction. A gradient summed over the window would
 have been one Adam step per window at the primary: a row would learn H times slower than the
 peer's local copy did (measured: H=32 lost 0.25 in val_loss against 200 per-step rounds). Rows the
 owners could not serve (zeros were used) get no push, as in per-step training.
@@ -131,7 +132,7 @@ class WindowRows:
                 delta = self.opt.lr * g / (acc.sqrt() + self.opt.eps)
             r.rows.index_add_(0, idx, -(delta * served))
 
-    def pushes(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
+    def pushes(self, scale: float = 1.0) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
         """The window's push: {table: (ids, deltas)}, each delta the row as pulled minus its working
         copy (the primary subtracts it), of the served rows it touched, plus what earlier windows
         carried. With ``ratio`` < 1 only that share of the rows goes, those of the largest L2 norm;
@@ -139,7 +140,7 @@ class WindowRows:
         out = {}
         for t, r in self.tables.items():
             keep = torch.from_numpy((r.t > 0).numpy() & ~r.absent)
-            ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep]
+            ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep] * scale
             c_ids, c_deltas = self.carry[t]
             if c_ids.size:
                 all_ids, inverse = np.unique(np.concatenate([ids, c_ids]), return_inverse=True)
