@@ -121,4 +121,4 @@ class LocalSteps:
 
     def _payload(self, w: int) -> Encoded:
         """The window's pseudo-gradient, compressed as round ``w``'s payload (training thread)."""
-        return self.peer.compressor.compress(self.peer.replica.end_window(), w)
+        return self.peer.compressor.compress(self.peer.replica.end_window(self.overlap, w), w)

@@ -184,6 +184,11 @@ class Replica:
         # the model's own parameters are then this peer's local copy
         self.outer: OuterOptimizer | None = None
         self.global_flat = torch.zeros(0)
+        # overlapped windows (end_window(keep=True)): where the window being computed started, and
+        # our last window's pseudo-gradient, sent but not yet aggregated
+        self.anchor: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+        self.pending_window = -1
         self.optimizer_desc = self._describe_optimizer()
         self.fingerprint = self._fingerprint()
 
@@ -367,7 +372,13 @@ class Replica:
         if self.outer is not None:
             if count:
                 self.outer.step(self.global_flat, agg)
-            self._write_local(self.global_flat)
+            if self.pending is not None and self.pending_window > step:
+                # overlapped: the new global model plus our own later window, not aggregated yet
+                self._write_local(self.global_flat - self.pending)
+                self.anchor = self._flat_local()
+            else:
+                self._write_local(self.global_flat)
+                self.anchor = self.pending = None
         elif count:
             self._optimizer_step(agg)
         self.step = step + 1
@@ -425,11 +436,20 @@ class Replica:
         return stats, row_grads
 
     @torch.no_grad()
-    def end_window(self) -> torch.Tensor:
-        """The window's pseudo-gradient (global minus local, fp32 in manifest order); the local
-        model starts the next window from the global vector again."""
-        delta = self.global_flat - self._flat_local()
-        self._write_local(self.global_flat)
+    def end_window(self, keep: bool = False, window: int = 0) -> torch.Tensor:
+        """The window's pseudo-gradient (where the window started minus local, fp32 in manifest
+        order). Without ``keep`` the local model starts the next window from the global vector.
+        With ``keep`` (overlapped windows; ``window`` is this one's round) it goes on from where it
+        is: the next window starts from the global model plus our own progress that no round has
+        aggregated yet, and when an earlier round lands (apply_aggregate) the local model becomes
+        the new global vector minus this window's pseudo-gradient (docs/design.md, "Local steps")."""
+        local = self._flat_local()
+        delta = (self.anchor if self.anchor is not None else self.global_flat) - local
+        if keep:
+            self.anchor, self.pending, self.pending_window = local, delta, window
+        else:
+            self.anchor = self.pending = None
+            self._write_local(self.global_flat)
         return delta
 
     def lr(self) -> float | None:
@@ -560,6 +580,7 @@ class Replica:
         if self.outer is not None:
             self.global_flat = tensors["w.global"].clone()
             self.outer.load_state_dict({"momentum": tensors["w.momentum"]})
+            self.anchor = self.pending = None
             self._write_local(self.global_flat)
         self.step = step
         return step

@@ -100,6 +100,30 @@ def test_a_window_moves_the_local_model_only_and_the_outer_step_brings_it_back()
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in r.params]), r.global_flat[:local.numel()])
 
 
+def test_overlapped_windows_keep_our_unaggregated_progress_and_never_count_it_twice():
+    r = _replica()
+    r.use_local_steps(OuterConfig())
+    flat = lambda: torch.cat([p.detach().reshape(-1) for p in r.params])  # noqa: E731
+    n = flat().numel()
+    g0 = r.global_flat.clone()
+    _inner(r, 2)
+    d0 = r.end_window(True, 0)  # window 0 sent; window 1 goes on from where window 0 ended
+    end0 = flat()
+    assert torch.allclose(end0, (g0 - d0)[:n], atol=1e-6)
+    _inner(r, 2)
+    end1 = flat()
+    d1 = r.end_window(True, 1)
+    assert torch.allclose(d1[:n], end0 - end1, atol=1e-6)  # measured from where window 1 started
+    r.apply_aggregate(d0, step=0, count=1)  # round 0 lands: global + our window 1, not yet aggregated
+    assert torch.allclose(flat(), (r.global_flat - d1)[:n], atol=1e-6)
+    _inner(r, 1)
+    d2 = r.end_window(True, 2)
+    r.apply_aggregate(d1, step=1, count=1)
+    r.apply_aggregate(d2, step=2, count=1)  # the last round: nothing of ours is pending any more
+    assert torch.equal(flat(), r.global_flat[:n]) and r.pending is None
+    assert torch.allclose(r.global_flat[:n], flat(), atol=1e-6)
+
+
 def test_state_blob_of_local_steps_carries_the_global_vector_and_is_refused_elsewhere():
     a = _replica()
     a.use_local_steps(OuterConfig(0.7, 0.9, True))
