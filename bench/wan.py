@@ -71,7 +71,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-dense", "ddp-sparse", "ddp-dense", "hivemind")
+METHODS = ("swarm", "swarm-dense", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse", "ddp-dense",
+           "torchft-diloco", "hivemind")
+# run without --only: all but swarm-dense (dense fp32 payloads every step: ~12 min alone at 8mbit)
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "swarm-dense")
+# synchronous baselines: their loss at step k does not depend on the link, so they run their budget
+# once (--sync-full-rate, default unshaped) and are only timed (--timing-steps) at each rate
+SYNC_METHODS = ("ddp-dense", "ddp-sparse", "torchft-diloco", "hivemind")
+
+# The settings of the swarm's local-step methods (swarm-h8, swarm-h32: H inner steps, then one
+# compressed pseudo-gradient round that travels while the next window computes). SparseLoCo-ish:
+# 2-bit Top-K at 2% density with decaying error feedback as the outer momentum, plain outer step.
+LOCAL_STEP = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "outer_lr": 1.0, "overlap": True}
+# swarm-diloco: the swarm's own dense DiLoCo, the DiLoCo paper's recipe (H = 32, outer Nesterov SGD)
+DILOCO = {"compression": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+# torchft-diloco (bench/torchft_baseline.py): the same recipe in torchft.local_sgd.DiLoCo
+TORCHFT = {"sync_every": 32, "outer_lr": 0.7, "outer_momentum": 0.9}
+
+# --model: one model size per invocation. big: >= 5M dense parameters (5.1M) and small tables, so
+# that the dense gradient dominates the bytes; a smaller batch keeps its step time near small's.
+MODELS = {
+    "small": {"d_model": 128, "layers": 2, "heads": 4, "context": 128, "table_rows": 32768, "batch_size": 16},
+    "big": {"d_model": 320, "layers": 4, "heads": 4, "context": 128, "table_rows": 4096, "batch_size": 4},
+}
 
 # ----------------------------------------------------------------------------- pure parts (tested)
 
@@ -275,6 +297,215 @@ def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
     return round(max(0.0, 1.0 - floor_s / step_s), 3)
 
 
+# ----------------------------------------------------------------------------- methods, budgets, rates (tested)
+
+
+def local_flags(settings: dict, sync_every: int) -> list[str]:
+    """peer.py flags of a local-step method: --sync-every H, then its settings (LOCAL_STEP, DILOCO):
+    a value key becomes `--key value`, a True flag key (outer_nesterov, overlap) `--key`."""
+    out = ["--sync-every", str(sync_every)]
+    for key, v in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(v, bool):
+            out += [flag] if v else []
+        elif v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+SWARM_FLAGS = {
+    "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step
+    "swarm-dense": ["--compression", "none"],
+    "swarm-h8": local_flags(LOCAL_STEP, 8),
+    "swarm-h32": local_flags(LOCAL_STEP, 32),
+    "swarm-diloco": local_flags(DILOCO, 32),
+}
+
+
+def sync_every_of(method: str) -> int:
+    """H of a method: inner steps per round (1 for the per-step ones)."""
+    if method == "torchft-diloco":
+        return int(TORCHFT["sync_every"])
+    flags = SWARM_FLAGS.get(method, [])
+    return int(flags[flags.index("--sync-every") + 1]) if "--sync-every" in flags else 1
+
+
+def check_budget(steps: int, methods: list[str]) -> str | None:
+    """None when every method's H divides the budget (peer.py and torchft need it), else why not."""
+    bad = [f"{m} (H={sync_every_of(m)})" for m in methods if steps % sync_every_of(m)]
+    return f"--steps {steps} is not a multiple of the sync period of {', '.join(bad)}" if bad else None
+
+
+def extended_steps(budget: int, factor: float, sync_every: int) -> int:
+    """The most inner steps a swarm method may run with --extra-steps-factor: budget x factor, rounded
+    down to a multiple of its H (at least the budget)."""
+    return max(budget, int(budget * factor) // sync_every * sync_every)
+
+
+def model_flags(preset: dict, defaults: dict) -> tuple[list[str], list[str]]:
+    """(peer.py flags, bench/*_baseline.py flags) of a model preset's size; the peer gets a size only
+    where it differs from the built-in task's default (so the small model runs exactly as before)."""
+    peer, base = [], []
+    for key, task_arg, flag in (("d_model", "d_model", "--d-model"), ("layers", "layers", "--layers"),
+                                ("heads", "heads", "--heads"), ("context", "context", "--context")):
+        if preset[key] != defaults[key]:
+            peer += ["--task-arg", f"{task_arg}={preset[key]}"]
+            base += [flag, str(preset[key])]
+    return peer, base
+
+
+def plan(methods: list[str], rates: list[str], full_rate: str | None, local: str | None,
+         repeats: int) -> list[tuple[str, str | None, str | None]]:
+    """The order of the runs: [(kind, method, rate)]. kind: floor-solo / floor (the contended compute
+    floor), full (a synchronous baseline's whole budget at full_rate, None = unshaped; ddp-dense
+    first, it sets the target), timing (a synchronous baseline timed at a rate where it did not run
+    its budget), run (a swarm method's budget at a rate), pair (the local method again, after a
+    floor, for the step-time median). At each rate the local method runs right after a floor."""
+    sync = sorted((m for m in methods if m in SYNC_METHODS), key=lambda m: m != "ddp-dense")
+    swarm = [m for m in methods if m in SWARM_FLAGS and m != local]
+    out: list[tuple[str, str | None, str | None]] = [("floor-solo", None, None), ("floor", None, None)]
+    out += [("full", m, full_rate) for m in sync]
+    for r in rates:
+        out += [("timing", m, r) for m in sync if r != full_rate]
+        out += [("run", m, r) for m in swarm]
+        if local in methods:
+            out += [("floor", None, r), ("run", local, r)]
+            for _ in range(1, repeats):
+                out += [("floor", None, r), ("pair", local, r)]
+    return out
+
+
+def project_curve(full: list[tuple[int, float, float]], timing: list[tuple[int, float, float]],
+                  sync_every: int = 1) -> tuple[list[tuple[int, float, float]], dict]:
+    """A synchronous baseline's curve at another link rate: its loss at step k does not depend on the
+    link, its time does. From a short run at that rate (``timing``): the plain step time p (the mean
+    step time for H = 1; the median of the intervals that end no sync window for H > 1) and the extra
+    seconds x of a step that ends one (its mean interval - p). Step k of the full run then ends
+    (k - 1) p + (windows ended in steps 2..k) x after step 1."""
+    info: dict = {"timing_steps": timing[-1][0] if timing else 0}
+    if len(timing) < 2:
+        return [], {**info, "error": "the timing run gave fewer than 2 steps"}
+    gaps = [(b[0], (b[1] - a[1]) / (b[0] - a[0])) for a, b in zip(timing, timing[1:])]
+    if sync_every <= 1:
+        p, x = step_time(timing), 0.0
+    else:
+        plain = [g for s, g in gaps if s % sync_every]
+        ends = [g for s, g in gaps if s % sync_every == 0]
+        p = statistics.median(plain) if plain else step_time(timing)
+        x = max(0.0, statistics.mean(ends) - p) if ends else 0.0
+        if not ends:
+            info["warning"] = f"the timing run ended no sync window (H={sync_every}): sync time unknown"
+    info.update(plain_step_s=round(p, 4), sync_extra_s=round(x, 4), sync_every=sync_every)
+    if not full:
+        return [], info
+    k0, t0 = full[0][0], full[0][1]
+
+    def windows(k: int) -> int:
+        return k // sync_every - k0 // sync_every if sync_every > 1 else 0
+
+    return [(k, t0 + (k - k0) * p + windows(k) * x, loss) for k, _, loss in full], info
+
+
+def ddp_target(runs: dict[str, dict]) -> float | None:
+    """The target loss: the final running-mean training loss of dense DDP at the end of its budget."""
+    c = (runs.get("ddp-dense") or {}).get("curve") or []
+    return c[-1][2] if c else None
+
+
+def reached(curve: list[tuple[int, float, float]], budget: int, target: float | None) -> bool:
+    """Can a run with an extended budget stop: the budget is done and the target was reached."""
+    return bool(curve) and target is not None and curve[-1][0] >= budget and any(l <= target for _, _, l in curve)
+
+
+def val_at(summaries: list[dict], step: int) -> float | None:
+    """Mean over peers of the val_loss each evaluated at `step` (peer.py's val_history, --eval-every)."""
+    vals = [v for s in summaries for st, v in (s.get("val_history") or []) if st == step]
+    return sum(vals) / len(vals) if vals else None
+
+
+def time_or_bound(run: dict | None) -> tuple[float | None, bool]:
+    """(seconds to the target, False), or (its whole run, True: a lower bound) when it missed it."""
+    if not run:
+        return None, False
+    if run.get("time_to_target_s") is not None:
+        return run["time_to_target_s"], False
+    return elapsed(run.get("curve") or []), True
+
+
+def speedup(base: dict | None, ours: dict | None) -> tuple[float | None, str | None]:
+    """Baseline's time to the target / ours (> 1: we are faster) and what it is: "exact",
+    "at_least" (the baseline missed the target: its time is a lower bound), "at_most" (we missed
+    it); (None, None) when both missed it or a time is unknown."""
+    tb, lb = time_or_bound(base)
+    to, lo = time_or_bound(ours)
+    if tb is None or to is None or (lb and lo):
+        return None, None
+    return ratio(tb, to), "at_least" if lb else "at_most" if lo else "exact"
+
+
+def bytes_per_sample(run: dict | None, batch: int) -> float | None:
+    """All bytes a peer's interface sent during the run / the samples that peer trained (mean over
+    peers; samples = inner steps done x batch)."""
+    if not run or not run.get("steps") or not run.get("tx_bytes_run"):
+        return None
+    tx = run["tx_bytes_run"]
+    return sum(tx) / len(tx) / (run["steps"] * batch)
+
+
+def gap(ours: float | None, base: float | None) -> float | None:
+    if ours is None or base is None or base == 0:
+        return None
+    return round((ours - base) / base, 4)
+
+
+SPEEDUP_KEYS = {"ddp-dense": "speedup_vs_ddp_time_to_ddp_loss",
+                "ddp-sparse": "speedup_vs_sparse_ddp_time_to_ddp_loss",
+                "swarm-diloco": "speedup_vs_dense_diloco_time_to_ddp_loss",
+                "torchft-diloco": "speedup_vs_torchft_diloco_time_to_ddp_loss"}
+
+
+def summarize_rates(per_rate: dict[str, dict[str, dict]], local: str, target: float | None,
+                    pairs: dict[str, list[tuple[float, float]]], batch: int) -> dict:
+    """The local-step figures of the last line, each {rate: value}: speedups in time to dense DDP's
+    final loss (with `speedup_bounds` saying which are bounds), bytes per sample of the per-step swarm
+    over ours, the val_loss gap to dense DDP at equal samples, our step time over the contended
+    floor's (median over the rate's back-to-back pairs); and per rate and method the times to the
+    target (or the lower bounds of those that missed it), val_loss, bytes per sample, step time."""
+    out: dict = {"local_step_config": {"method": local, "sync_every": sync_every_of(local),
+                                       "peer_flags": SWARM_FLAGS.get(local, [])},
+                 "target_loss": None if target is None else round(target, 4)}
+    bounds: dict[str, dict[str, str]] = {}
+    for base, key in SPEEDUP_KEYS.items():
+        out[key] = {}
+        for rate, runs in per_rate.items():
+            v, kind = speedup(runs.get(base), runs.get(local))
+            out[key][rate] = v
+            if kind not in (None, "exact"):
+                bounds.setdefault(key, {})[rate] = kind
+    out["speedup_bounds"] = bounds
+    out["bytes_per_sample_vs_per_step_swarm"] = {
+        r: ratio(bytes_per_sample(runs.get("swarm"), batch), bytes_per_sample(runs.get(local), batch))
+        for r, runs in per_rate.items()}
+    out["val_loss_gap_vs_ddp_at_equal_samples"] = {
+        r: gap((runs.get(local) or {}).get("val_loss"), (runs.get("ddp-dense") or {}).get("val_loss"))
+        for r, runs in per_rate.items()}
+    out["local_step_time_over_compute_floor"] = {
+        r: round(statistics.median(o / f for f, o in pairs[r]), 3) if pairs.get(r) else None for r in per_rate}
+    out["local_step_time_ratios"] = {r: [round(o / f, 3) for f, o in pairs.get(r, [])] for r in per_rate}
+    out["time_to_ddp_loss_s"] = {r: {m: None if run.get("time_to_target_s") is None else round(run["time_to_target_s"], 2)
+                                     for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["time_to_ddp_loss_lower_bound_s"] = {
+        r: {m: round(t, 2) for m, run in runs.items() for t, lb in [time_or_bound(run)] if lb and t is not None}
+        for r, runs in per_rate.items()}
+    out["val_loss"] = {r: {m: None if run.get("val_loss") is None else round(run["val_loss"], 4)
+                           for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["bytes_per_sample"] = {r: {m: None if (b := bytes_per_sample(run, batch)) is None else int(b)
+                                   for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["step_time_s"] = {r: {m: None if run.get("step_time_s") is None else round(run["step_time_s"], 4)
+                              for m, run in runs.items()} for r, runs in per_rate.items()}
+    return out
+
+
 def parse_stat(text: str) -> tuple[int, int, int, int] | None:
     """/proc/PID/stat -> (ppid, pgid, sid, start time in ticks); None if malformed. The command name
     (field 2) may hold spaces and parentheses, so fields are counted after its LAST ')'."""
@@ -442,7 +673,7 @@ def sh(*cmd: str, check: bool = True) -> str:
 class Wan:
     """Hub namespace with a bridge; one namespace per peer with `wan0` = 10.77.0.(i+1)/24, shaped."""
 
-    def __init__(self, n: int, rate: str, tag: str):
+    def __init__(self, n: int, rate: str | None, tag: str):
         self.n, self.rate, self.tag = n, rate, tag
         self.hub = f"{tag}-hub"
         self.ns = [f"{tag}-p{i}" for i in range(n)]
@@ -463,9 +694,19 @@ class Wan:
             sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "wan0")
             sh("ip", "-n", ns, "link", "set", "wan0", "up")
+        self.shape(self.rate)
+
+    def shape(self, rate: str | None) -> None:
+        """Every link shaped to `rate` (tbf, each direction: the peer's veth egress = upload, the hub
+        side = download), re-shaping the existing veths in place; None: unshaped."""
+        for i, ns in enumerate(self.ns):
             for where, dev in ((ns, "wan0"), (self.hub, f"vp{i}")):  # upload, download
-                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", self.rate, "burst", "64kb", "latency", "50ms")
+                if rate is None:
+                    sh("ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                else:
+                    sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                       "rate", rate, "burst", "64kb", "latency", "50ms")
+        self.rate = rate
 
     def down(self) -> None:
         for ns in [*self.ns, self.hub]:
@@ -549,7 +790,7 @@ PY = [sys.executable]
 def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> list[str]:
     return [*PY, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(steps),
             "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *extra]
+            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags, *extra]
 
 
 def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
@@ -567,35 +808,58 @@ def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
             "val_loss": _mean([v for v in vals if v is not None])}
 
 
-def run_swarm(wan: Wan, a, compression: str, log: Path) -> dict:
-    name = "swarm" if compression != "none" else "swarm-dense"
+def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, target: float | None = None) -> dict:
+    """peer.py x N with the method's flags (SWARM_FLAGS), peer 0 first. With steps beyond the budget
+    (--extra-steps-factor), the learning-rate schedule still runs on the budget (--budget), every
+    peer evaluates at the budget (--eval-every) for val_loss at equal samples, and the peers are
+    stopped (SIGTERM: they finish the step, evaluate and print their summary) as soon as the budget
+    is done and the curve has reached `target`."""
+    steps = steps or a.steps
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
-    extra = ["--min-peers", str(wan.n), "--compression", compression]
+    extra = ["--min-peers", str(wan.n), *SWARM_FLAGS[name]]
+    if steps > a.steps:
+        extra += ["--budget", str(a.steps), "--eval-every", str(a.steps)]
     port = 7100
-    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, a.steps, extra)], log=log / f"{name}-p0.err")]
+    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, steps, extra)], log=log / f"{name}-{wan.rate}-p0.err")]
     deadline = time.time() + 60
     while not procs[0].has("listening on") and time.time() < deadline and procs[0].p.poll() is None:
         time.sleep(0.1)
     for i in range(1, wan.n):
-        procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, a.steps,
+        procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, steps,
                                                      [*extra, "--join", f"{wan.ip(0)}:{port}"])],
-                          log=log / f"{name}-p{i}.err"))
+                          log=log / f"{name}-{wan.rate}-p{i}.err"))
     sampler = TxSampler([p.p.pid for p in procs])
-    codes = [p.wait(a.run_timeout) for p in procs]
+    stopped_at = None
+    if steps > a.steps:
+        deadline = time.time() + a.run_timeout
+        while any(p.p.poll() is None for p in procs) and time.time() < deadline:
+            curve = merge_curves([parse_peer_lines(list(p.lines))[0] for p in procs])
+            if stopped_at is None and reached(curve, a.steps, target):
+                stopped_at = curve[-1][0]
+                for p in procs:
+                    if p.p.poll() is None:
+                        p.p.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+    codes = [p.wait(max(1.0, a.run_timeout)) for p in procs]
     samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_peer_lines(p.lines) for p in procs]
     curve = merge_curves([pts for pts, _ in parsed])
     summaries = [s for _, s in parsed if s]
     app = [s.get("bytes_sent", 0) + s.get("control_bytes_sent", 0) + s.get("row_bytes_sent", 0) for s in summaries]
-    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
-            "app_bytes_per_peer": int(_mean(app)) if app else None,
-            "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
-            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
-            "val_loss": _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None]),
-            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
-            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
-            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+    val_end = _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None])
+    out = {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
+           "app_bytes_per_peer": int(_mean(app)) if app else None,
+           "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
+           "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
+           "val_loss": val_end if steps <= a.steps else val_at(summaries, a.steps),
+           "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
+           "sync_every": [s.get("sync_every") for s in summaries],
+           "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
+           "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+    if steps > a.steps:
+        out.update(max_steps=steps, stopped_at_step=stopped_at, val_loss_at_end=val_end)
+    return out
 
 
 def mean_phases(reports: list[dict]) -> dict[str, float] | None:
@@ -610,16 +874,16 @@ def mean_phases(reports: list[dict]) -> dict[str, float] | None:
     return out
 
 
-def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
+def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int) -> dict:
     name = f"ddp-{tables}"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
     procs = []
     for i in range(wan.n):
         argv = [*wan.exec(i), *PY, str(ROOT / "bench" / "ddp_baseline.py"), "--rank", str(i), "--world", str(wan.n),
-                "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(a.steps),
+                "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-                "--peer-id", f"p{i}", "--threads", "1"]
-        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-p{i}.err"))
+                "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags]
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
     return collect_baseline(wan, a, procs, tx0)[0]
 
 
@@ -654,7 +918,7 @@ def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, s
     return r.stdout.strip(), None
 
 
-def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
+def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
     """bench/hivemind_baseline.py x N, peer 0 first; the others join its DHT at its multiaddr."""
     name = "hivemind"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
@@ -662,14 +926,14 @@ def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
 
     def argv(i: int, extra: list[str]) -> list[str]:
         return [*wan.exec(i), python, str(ROOT / "bench" / "hivemind_baseline.py"), "--index", str(i),
-                "--peers", str(wan.n), "--host", wan.ip(i), "--port", str(7300 + i), "--steps", str(a.steps),
+                "--peers", str(wan.n), "--host", wan.ip(i), "--port", str(7300 + i), "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1", "--run-id", f"swarm_wan_{os.getpid()}",
                 "--matchmaking-time", str(a.hivemind_matchmaking_time),
                 "--averaging-timeout", str(a.hivemind_averaging_timeout),
-                "--average-state-every", str(a.hivemind_average_state_every), *extra]
+                "--average-state-every", str(a.hivemind_average_state_every), *a.base_model_flags, *extra]
 
-    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-p0.err")]
+    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-{wan.rate}-p0.err")]
     deadline = time.time() + 120
     maddr = None
     while maddr is None and time.time() < deadline and procs[0].p.poll() is None:
@@ -681,9 +945,61 @@ def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
                 **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0,
                 "health": {"warning": "peer 0 printed no multiaddr"}}
     for i in range(1, wan.n):
-        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-p{i}.err"))
+        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-{wan.rate}-p{i}.err"))
     out, summaries = collect_baseline(wan, a, procs, tx0)
     return {**out, "health": hivemind_health(summaries, wan.n)}
+
+
+TORCHFT_PROBE = ("import torchft, torchft.local_sgd\n"
+                 "from torchft.coordination import LighthouseServer\n"
+                 "s = LighthouseServer(bind='127.0.0.1:0', min_replicas=1); s.shutdown()\n"
+                 "import sys; sys.stdout.write(str(getattr(torchft, '__version__', None) or "
+                 "__import__('importlib.metadata').metadata.version('torchft')))")
+
+
+def probe_torchft(python: str, code: str = TORCHFT_PROBE) -> tuple[str | None, str | None]:
+    """(version, None) if torchft imports and a lighthouse starts in interpreter `python`, else
+    (None, why not)."""
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=180, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"cannot run {python}: {e}"
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["exit code %d" % r.returncode])[-1]
+        return None, (f"torchft does not run in {python} ({last}); pip install --no-deps torchft==0.2.0 and "
+                      f"pip install opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http")
+    return r.stdout.strip(), None
+
+
+def run_torchft(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
+    """bench/torchft_baseline.py x N (one replica group of one rank each) and its lighthouse, in
+    peer 0's namespace at its address."""
+    name, script = "torchft-diloco", str(ROOT / "bench" / "torchft_baseline.py")
+    tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
+    lh = Proc([*wan.exec(0), python, script, "--serve-lighthouse", "--bind", "0.0.0.0:29510", "--world", str(wan.n)],
+              log=log / f"{name}-{wan.rate}-lighthouse.err")
+    deadline = time.time() + 120
+    while not lh.has("lighthouse listening") and time.time() < deadline and lh.p.poll() is None:
+        time.sleep(0.1)
+    if not lh.has("lighthouse listening"):
+        kill(lh.p)
+        return {"curve": [], "exit_codes": [lh.p.poll()], "error": "the torchft lighthouse did not start",
+                **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0}
+    procs = []
+    for i in range(wan.n):
+        argv = [*wan.exec(i), python, script, "--rank", str(i), "--world", str(wan.n), "--host", wan.ip(i),
+                "--lighthouse", f"http://{wan.ip(0)}:29510", "--steps", str(steps),
+                "--sync-every", str(TORCHFT["sync_every"]), "--outer-lr", str(TORCHFT["outer_lr"]),
+                "--outer-momentum", str(TORCHFT["outer_momentum"]), "--batch-size", str(a.batch_size),
+                "--table-rows", str(a.table_rows), "--seed", str(a.seed), "--peer-id", f"p{i}", "--threads", "1",
+                *a.base_model_flags]
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
+    try:
+        out, summaries = collect_baseline(wan, a, procs, tx0)
+    finally:
+        kill(lh.p)
+    out["outer_steps_committed"] = [s.get("outer_steps_committed") for s in summaries]
+    return out
 
 
 def traffic(tx: list[int], samples, curve) -> dict:
