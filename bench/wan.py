@@ -830,8 +830,8 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
                           log=log / f"{name}-{wan.rate}-p{i}.err"))
     sampler = TxSampler([p.p.pid for p in procs])
     stopped_at = None
+    deadline = time.time() + a.run_timeout
     if steps > a.steps:
-        deadline = time.time() + a.run_timeout
         while any(p.p.poll() is None for p in procs) and time.time() < deadline:
             curve = merge_curves([parse_peer_lines(list(p.lines))[0] for p in procs])
             if stopped_at is None and reached(curve, a.steps, target):
@@ -840,7 +840,7 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
                     if p.p.poll() is None:
                         p.p.send_signal(signal.SIGTERM)
             time.sleep(0.5)
-    codes = [p.wait(max(1.0, a.run_timeout)) for p in procs]
+    codes = [p.wait(max(1.0, deadline - time.time())) for p in procs]
     samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_peer_lines(p.lines) for p in procs]
@@ -1023,63 +1023,71 @@ def _mean(xs: list[float]) -> float | None:
 # ----------------------------------------------------------------------------- report
 
 
-def plot(runs: dict[str, dict], floor: dict, target: float | None, a, path: Path) -> None:
+COLORS = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
+          "swarm-h8": "C5", "swarm-h32": "C6", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
+
+
+def plot(per_rate: dict[str, dict[str, dict]], floor: dict, target: float | None, a, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
-              "floor": "0.5"}
+    fig, axes = plt.subplots(len(per_rate), 2, figsize=(12, 4.2 * len(per_rate)), squeeze=False)
     per_step = a.batch_size * a.peers
-    for name, r in [*runs.items(), ("floor", floor)]:
-        c = r.get("curve") or []
-        if not c:
-            continue
-        t0 = c[0][1]
-        label = name if name != "floor" else "compute floor (1 peer, no network; samples x1)"
-        mult = per_step if name != "floor" else a.batch_size
-        ax1.plot([t - t0 for _, t, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
-        ax2.plot([s * mult for s, _, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
-        if r.get("val_loss") is not None and name != "floor":
-            ax1.plot([c[-1][1] - t0], [r["val_loss"]], "x", color=colors.get(name))
-            ax2.plot([c[-1][0] * mult], [r["val_loss"]], "x", color=colors.get(name))
-    for ax in (ax1, ax2):
-        if target is not None:
-            ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f}")
-        ax.set_ylabel("train loss (10-step running mean); x = final val_loss")
-        ax.grid(alpha=0.3)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("wall time since step 1 [s] (log)")
-    ax2.set_xlabel("samples (sequences of 128 bytes, all peers)")
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"{a.peers} peers, links shaped to {a.rate} (tbf), batch {a.batch_size}/peer, "
-                 f"{a.steps} steps, table rows {a.table_rows}")
+    for (rate, runs), (ax1, ax2) in zip(per_rate.items(), axes):
+        for name, r in [*runs.items(), ("floor", floor)]:
+            c = r.get("curve") or []
+            if not c:
+                continue
+            t0 = c[0][1]
+            label = name if name != "floor" else "compute floor (1 peer, no network; samples x1)"
+            if r.get("timing"):
+                label += f" (timed {r['timing'].get('timing_steps')} steps)"
+            mult = per_step if name != "floor" else a.batch_size
+            ls = "--" if r.get("timing") else "-"
+            ax1.plot([max(t - t0, 1e-2) for _, t, _ in c], [l for _, _, l in c], ls, color=COLORS.get(name), label=label)
+            ax2.plot([s * mult for s, _, _ in c], [l for _, _, l in c], ls, color=COLORS.get(name), label=label)
+            if r.get("val_loss") is not None and name != "floor":
+                ax2.plot([a.steps * mult], [r["val_loss"]], "x", color=COLORS.get(name))
+        for ax in (ax1, ax2):
+            if target is not None:
+                ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f} (ddp-dense final)")
+            ax.set_ylabel("train loss (10-step running mean)")
+            ax.grid(alpha=0.3)
+        ax1.set_xscale("log")
+        ax1.set_xlabel(f"wall time since step 1 [s] (log), links {rate}")
+        ax2.set_xlabel("samples (sequences, all peers); x = val_loss at the budget")
+        ax2.legend(fontsize=7)
+    fig.suptitle(f"{a.peers} peers, model {a.model}, batch {a.batch_size}/peer, budget {a.steps} steps, "
+                 f"table rows {a.table_rows}; dashed: synchronous baselines' full-budget loss, timed at the rate")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def table(runs: dict[str, dict], floor: dict, solo: dict, target: float | None, a) -> str:
-    per_step = a.batch_size * a.peers
-    rows = ["| method | s/step | x floor | wait share | time to target [s] | step | final loss | val_loss "
-            "| MB sent/peer, training | MB sent/peer, whole run | MB/step/peer |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def how(name: str, r: dict, full_rate: str | None) -> str:
+    """How a method's row at a rate was measured (for the table)."""
+    if r.get("timing"):
+        return f"timed {r['timing'].get('timing_steps')} steps here; loss of its budget at {full_rate or 'unshaped'}"
+    if r.get("max_steps"):
+        return f"up to {r['max_steps']} steps, stopped at {r.get('stopped_at_step') or r.get('steps')}"
+    return "its budget here"
+
+
+def table(runs: dict[str, dict], floor: dict, target: float | None, a, rate: str, full_rate: str | None) -> str:
+    rows = [f"links {rate}:",
+            "| method | how | s/step | x floor | time to target [s] | step | final loss | val_loss "
+            "| bytes/sample | MB sent/peer, whole run |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in runs.items():
         c = r.get("curve") or []
         st = r.get("step_time_s")
-        mb = r.get("bytes_per_peer", 0) / 1e6
-        mb_run = r.get("run_bytes_per_peer", 0) / 1e6
-        ws = r.get("wait_share")
-        if r.get("measured_wait_share") is not None:
-            ws = f"{ws} ({r['measured_wait_share']} measured)"
-        rows.append(f"| {name} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} | {ws} "
-                    f"| {_f(r.get('time_to_target_s'), 1)} | {r.get('target_step')} | {_f(c[-1][2] if c else None, 3)} "
-                    f"| {_f(r.get('val_loss'), 3)} | {mb:.1f} | {mb_run:.1f} | {(r.get('bytes_per_step_per_peer') or 0) / 1e6:.3f} |")
-    rows.append(f"| floor, {a.peers} alone at once | {_f(floor.get('step_time_s'), 3)} | 1.00 | 0 | | | "
-                f"{_f(floor['curve'][-1][2] if floor.get('curve') else None, 3)} | {_f(floor.get('val_loss'), 3)} | 0 | 0 | 0 |")
-    rows.append(f"| floor, 1 alone | {_f(solo.get('step_time_s'), 3)} | | 0 | | | "
-                f"{_f(solo['curve'][-1][2] if solo.get('curve') else None, 3)} | {_f(solo.get('val_loss'), 3)} | 0 | 0 | 0 |")
-    return "\n".join(rows) + f"\n\ntarget loss {_f(target, 4)}; samples per step {per_step}"
+        t, lb = time_or_bound(r)
+        ttt = "-" if t is None else (f">= {t:.1f} (missed)" if lb else f"{t:.1f}")
+        bps = bytes_per_sample(r, a.batch_size)
+        rows.append(f"| {name} | {how(name, r, full_rate)} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} "
+                    f"| {ttt} | {r.get('target_step') or '-'} | {_f(c[-1][2] if c else None, 3)} "
+                    f"| {_f(r.get('val_loss'), 3)} | {_f(bps, 0)} | {(r.get('run_bytes_per_peer') or 0) / 1e6:.1f} |")
+    return "\n".join(rows)
 
 
 def _f(v, d: int) -> str:
@@ -1089,24 +1097,51 @@ def _f(v, d: int) -> str:
 # ----------------------------------------------------------------------------- main
 
 
+def run_method(wan: Wan, a, m: str, log: Path, steps: int, target: float | None, pythons: dict) -> dict:
+    if m in SWARM_FLAGS:
+        return run_swarm(wan, a, m, log, steps, target)
+    if m == "hivemind":
+        return run_hivemind(wan, a, log, pythons["hivemind"], steps)
+    if m == "torchft-diloco":
+        return run_torchft(wan, a, log, pythons["torchft"], steps)
+    return run_ddp(wan, a, m.split("-")[1], log, steps)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo and Hivemind on shaped links (needs root)")
+    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo, torchft DiLoCo and Hivemind on shaped links (needs root)")
     ap.add_argument("--peers", type=int, default=4)
-    ap.add_argument("--rate", default="80mbit", help="tbf rate of every link, each direction (default 80mbit ~ 10 MB/s)")
+    ap.add_argument("--rate", action="append", default=None,
+                    help="tbf rate of every link, each direction (repeatable; default 80mbit ~ 10 MB/s and 8mbit)")
+    ap.add_argument("--sync-full-rate", default="none",
+                    help="rate at which the synchronous baselines run their whole budget (default none: unshaped); "
+                         "at every other --rate they are timed for --timing-steps steps")
+    ap.add_argument("--timing-steps", type=int, default=10,
+                    help="steps a synchronous baseline is timed at a rate (torchft: rounded up to whole sync windows)")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--table-rows", type=int, default=32768)
+    ap.add_argument("--model", choices=sorted(MODELS), default="small",
+                    help="model preset (small: the built-in size; big: 5.1M dense parameters, small tables, batch 4)")
+    ap.add_argument("--steps", type=int, default=224,
+                    help="the sample budget in inner steps per peer (a multiple of every method's H; default 224 = 7 x 32)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the model preset's (small 16, big 4)")
+    ap.add_argument("--table-rows", type=int, default=None, help="default: the model preset's (small 32768, big 4096)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--margin", type=float, default=0.01, help="added to the worst final loss to make the target")
+    ap.add_argument("--margin", type=float, default=0.0, help="added to dense DDP's final loss to make the target")
     ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
-    ap.add_argument("--only", action="append", choices=METHODS, help="run only these methods (repeatable)")
-    ap.add_argument("--step-repeats", type=int, default=5,
-                    help="(contended floor, swarm) pairs whose median step-time ratio is reported (default 5)")
-    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one method may take")
+    ap.add_argument("--only", action="append", choices=METHODS,
+                    help=f"run only these methods (repeatable; default all but swarm-dense: {', '.join(DEFAULT_METHODS)})")
+    ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS if m not in ("swarm", "swarm-dense")],
+                    default="swarm-h32", help="the local-step configuration the last line's figures are about")
+    ap.add_argument("--step-repeats", type=int, default=2,
+                    help="(contended floor, local method) pairs per rate whose median step-time ratio is reported")
+    ap.add_argument("--extra-steps-factor", type=float, default=1.0,
+                    help="swarm methods may run up to this x the budget to reach the target (stopped once reached "
+                         "after the budget; val_loss still at the budget); 1: the budget only, a lower bound if missed")
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (the time cap)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
     ap.add_argument("--log-dir", default="/tmp/swarm-wan-logs")
+    ap.add_argument("--torchft-python", default=None,
+                    help="interpreter with torchft installed for torchft-diloco (default: this one)")
     ap.add_argument("--hivemind-python", default=None,
                     help="interpreter with `hivemind` installed for the hivemind method (default: this one)")
     ap.add_argument("--hivemind-matchmaking-time", type=float, default=3.0,
@@ -1121,11 +1156,23 @@ def main() -> int:
     if msg:
         print(msg)
         return 0
+    rates = list(dict.fromkeys(a.rate or ["80mbit", "8mbit"]))
+    full_rate = None if a.sync_full_rate.lower() in ("none", "unshaped", "") else a.sync_full_rate
+    preset = MODELS[a.model]
+    a.batch_size = a.batch_size or preset["batch_size"]
+    a.table_rows = a.table_rows or preset["table_rows"]
+    a.peer_model_flags, a.base_model_flags = model_flags(preset, MODELS["small"])
+    methods = [m for m in METHODS if m in (a.only or DEFAULT_METHODS)]
+    local = a.local_method
+    problems = [p for p in (check_budget(a.steps, methods),) if p]
     if a.step_repeats < 1:
-        print("--step-repeats must be at least 1", file=sys.stderr)
-        return 2
+        problems.append("--step-repeats must be at least 1")
     if a.delay_ms > 0:
-        print("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet", file=sys.stderr)
+        problems.append("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet")
+    if a.timing_steps < 3:
+        problems.append("--timing-steps must be at least 3")
+    if problems:
+        print("; ".join(problems), file=sys.stderr)
         return 2
 
     def on_term(signum, frame):
@@ -1136,57 +1183,81 @@ def main() -> int:
         sh("ip", "netns", "del", ns, check=False)
     log = Path(a.log_dir)
     log.mkdir(parents=True, exist_ok=True)
-    wan = Wan(a.peers, a.rate, f"swwan{os.getpid()}")
-    methods = list(a.only or METHODS)
-    hivemind_python = a.hivemind_python or sys.executable
-    hivemind_note: str | dict = "not run (--only)"
-    if "hivemind" in methods:
-        version, why = probe_hivemind(hivemind_python)
-        if version is None:
-            methods.remove("hivemind")
-            hivemind_note = f"skipped: {why}"
-            print(f"hivemind skipped: {why}", flush=True)
-        else:
-            hivemind_note = {"version": version, "python": hivemind_python}
+    pythons = {"hivemind": a.hivemind_python or sys.executable, "torchft": a.torchft_python or sys.executable}
+    notes: dict[str, str | dict] = {"hivemind": "not run (--only)", "torchft": "not run (--only)"}
+    for m, key, probe in (("hivemind", "hivemind", lambda py: probe_hivemind(py)),
+                          ("torchft-diloco", "torchft", probe_torchft)):
+        if m in methods:
+            version, why = probe(pythons[key])
+            if version is None:
+                methods.remove(m)
+                notes[key] = f"skipped: {why}"
+                print(f"{m} skipped: {why}", flush=True)
+            else:
+                notes[key] = {"version": version, "python": pythons[key]}
+    steps_plan = plan(methods, rates, full_rate, local, a.step_repeats)
     t_start = time.time()
-    runs: dict[str, dict] = {}
-    pairs: list[tuple[float, float]] = []  # (contended floor, swarm) step times, run back to back
+    wan = Wan(a.peers, full_rate, f"swwan{os.getpid()}")
+    full: dict[str, dict] = {}
+    per_rate: dict[str, dict[str, dict]] = {r: {} for r in rates}
+    pairs: dict[str, list[tuple[float, float]]] = {r: [] for r in rates}
+    durations: list[dict] = []
+    target, target_from = a.target, "--target" if a.target is not None else None
+    solo = floor = last_floor = {}
     try:
         wan.up()
-        print(f"namespaces up: {a.peers} peers, tbf {a.rate} each way; steps {a.steps}, batch {a.batch_size}/peer, "
-              f"table rows {a.table_rows}", flush=True)
-        solo = run_floor(wan, a, 1, log)
-        print(f"floor, 1 peer alone: {_f(solo['step_time_s'], 3)} s/step", flush=True)
-        floor = run_floor(wan, a, a.peers, log)
-        print(f"floor, {a.peers} peers alone at once: {_f(floor['step_time_s'], 3)} s/step", flush=True)
-        for m in methods:
+        print(f"namespaces up: {a.peers} peers; model {a.model}, steps {a.steps}, batch {a.batch_size}/peer, table rows "
+              f"{a.table_rows}; rates {', '.join(rates)}; synchronous baselines' budget at {full_rate or 'unshaped'}; "
+              f"{len(steps_plan)} runs", flush=True)
+        for kind, m, r in steps_plan:
+            if kind != "floor-solo" and (kind == "full" or r is not None) and wan.rate != r:
+                wan.shape(r)
+                print(f"links now {r or 'unshaped'}", flush=True)
             t0 = time.time()
-            if m.startswith("swarm"):
-                runs[m] = run_swarm(wan, a, "topk-int8" if m == "swarm" else "none", log)
-            elif m == "hivemind":
-                runs[m] = run_hivemind(wan, a, log, hivemind_python)
-                print(f"hivemind: {json.dumps(runs[m].get('health') or runs[m].get('error'))}", flush=True)
+            if kind == "floor-solo":
+                res = solo = run_floor(wan, a, 1, log)
+            elif kind == "floor":
+                res = last_floor = run_floor(wan, a, a.peers, log)
+                if r is None:
+                    floor = res
+            elif kind == "full":
+                res = full[m] = run_method(wan, a, m, log, a.steps, None, pythons)
+                if r in per_rate:
+                    per_rate[r][m] = res
+                if m == "ddp-dense" and target is None and ddp_target(full) is not None:
+                    target, target_from = ddp_target(full) + a.margin, "ddp-dense final running-mean loss"
+            elif kind == "timing":
+                H = sync_every_of(m)
+                n = max(2, -(-a.timing_steps // H)) * H if H > 1 else a.timing_steps
+                res = run_method(wan, a, m, log, n, None, pythons)
+                curve, info = project_curve(full[m].get("curve") or [], res.get("curve") or [], H)
+                per_rate[r][m] = {**full[m], "curve": curve, "step_time_s": step_time(curve),
+                                  "timing": {**info, "measured_step_time_s": res.get("step_time_s"),
+                                             "bytes_per_step_per_peer": res.get("bytes_per_step_per_peer"),
+                                             "exit_codes": res.get("exit_codes"), "seconds": round(time.time() - t0, 1)}}
+            else:  # run / pair: a swarm method's budget (a run may be extended), a pair's repeat is not
+                ext = kind == "run" and a.extra_steps_factor > 1
+                steps = extended_steps(a.steps, a.extra_steps_factor, sync_every_of(m)) if ext else a.steps
+                res = run_method(wan, a, m, log, steps, target, pythons)
+                if kind == "run":
+                    per_rate[r][m] = res
+                else:
+                    per_rate[r][m].setdefault("repeat_step_times_s", []).append(res.get("step_time_s"))
+                if m == local and res.get("step_time_s") and last_floor.get("step_time_s"):
+                    pairs[r].append((last_floor["step_time_s"], res["step_time_s"]))
+            secs = time.time() - t0
+            durations.append({"kind": kind, "method": m, "rate": r or "unshaped", "seconds": round(secs, 1)})
+            what = f"{kind} {m or 'floor'}" + (f" at {r or 'unshaped'}" if kind not in ("floor-solo",) else "")
+            if kind in ("floor-solo", "floor"):
+                print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {secs:.0f} s", flush=True)
             else:
-                runs[m] = run_ddp(wan, a, m.split("-")[1], log)
-            r = runs[m]
-            print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer in training "
-                  f"({r['run_bytes_per_peer'] / 1e6:.1f} MB whole run), "
-                  f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
-            if r.get("step_phases_ms"):
-                print(f"{m} step phases, ms per step (mean over peers): {r['step_phases_ms']}", flush=True)
-            if isinstance(hivemind_note, dict) and m == "hivemind":
-                hivemind_note.update(r.get("health") or {})
-        if "swarm" in runs and runs["swarm"].get("step_time_s") and floor.get("step_time_s"):
-            # this machine's speed drifts by +-10% from minute to minute: the step-time ratio is the
-            # median over pairs of (contended floor, swarm) run back to back
-            pairs.append((floor["step_time_s"], runs["swarm"]["step_time_s"]))
-            for k in range(1, a.step_repeats):
-                fl = run_floor(wan, a, a.peers, log)
-                sw = run_swarm(wan, a, "topk-int8", log)
-                if fl.get("step_time_s") and sw.get("step_time_s"):
-                    pairs.append((fl["step_time_s"], sw["step_time_s"]))
-                print(f"step-time pair {k + 1}: floor {_f(fl.get('step_time_s'), 3)}, swarm {_f(sw.get('step_time_s'), 3)} "
-                      f"s/step", flush=True)
+                print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {(res.get('run_bytes_per_peer') or 0) / 1e6:.1f} MB"
+                      f"/peer, final loss {_f((res.get('curve') or [[0, 0, None]])[-1][2], 4)}, val_loss "
+                      f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s", flush=True)
+                if res.get("step_phases_ms"):
+                    print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
+                if m == "hivemind" and isinstance(notes["hivemind"], dict):
+                    notes["hivemind"].update(res.get("health") or {})
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -1195,18 +1266,41 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    target = a.target if a.target is not None else pick_target({m: r["curve"] for m, r in runs.items()}, a.margin)
-    for r in runs.values():
-        r["time_to_target_s"], r["target_step"] = time_to_target(r["curve"], target) if target is not None else (None, None)
-        r["wait_share"] = wait_share(r["step_time_s"], floor["step_time_s"])
-    result = summarize(runs, floor["step_time_s"], solo["step_time_s"], target, pairs)
-    result["hivemind"] = hivemind_note
-    result["seconds"] = round(time.time() - t_start, 1)
-    print(table(runs, floor, solo, target, a))
-    doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "runs": runs}
+    if target is None and per_rate.get(rates[0]):
+        target = pick_target({m: r["curve"] for m, r in per_rate[rates[0]].items()}, a.margin)
+        target_from = f"worst final loss at {rates[0]} (ddp-dense was not run)" if target is not None else None
+    floor_s = floor.get("step_time_s")
+    for runs in per_rate.values():
+        for r in runs.values():
+            r["time_to_target_s"], r["target_step"] = (time_to_target(r["curve"], target) if target is not None
+                                                       else (None, None))
+            r["wait_share"] = wait_share(r.get("step_time_s"), floor_s)
+    result = summarize_rates(per_rate, local, target, pairs, a.batch_size)
+    result.update(
+        target_from=target_from,
+        sync_baselines=(f"{', '.join(m for m in methods if m in SYNC_METHODS) or 'none'}: whole budget once at "
+                        f"{full_rate or 'unshaped links'} (loss and bytes), timed {a.timing_steps} steps "
+                        f"(torchft: whole sync windows) at every other rate; their time to the target there is "
+                        f"projected from the timing run (plain step time and sync extra)"),
+        swarm_methods=("whole budget at every rate" + (f", extended up to x{a.extra_steps_factor:g} until the target "
+                                                       f"(val_loss at the budget)" if a.extra_steps_factor > 1 else
+                                                       "; a method that misses the target gets its whole run as a "
+                                                       "lower bound")),
+        model={"preset": a.model, **preset, "batch_size": a.batch_size, "table_rows": a.table_rows},
+        steps=a.steps, peers=a.peers, rates=rates,
+        compute_floor_step_s=None if floor_s is None else round(floor_s, 4),
+        solo_compute_floor_step_s=None if solo.get("step_time_s") is None else round(solo["step_time_s"], 4),
+        by_rate={r: summarize(runs, floor_s, solo.get("step_time_s"), target) for r, runs in per_rate.items()},
+        torchft=notes["torchft"], hivemind=notes["hivemind"], run_seconds=durations,
+        seconds=round(time.time() - t_start, 1))
+    for r, runs in per_rate.items():
+        print(table(runs, floor, target, a, r, full_rate) + "\n")
+    print(f"target loss {_f(target, 4)} ({target_from}); samples per step {a.batch_size * a.peers}; compute floor "
+          f"{_f(floor_s, 3)} s/step ({a.peers} alone at once), {_f(solo.get('step_time_s'), 3)} s/step (1 alone)")
+    doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "full_runs": full, "runs": per_rate}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     try:
-        plot(runs, floor, target, a, Path(a.plot))
+        plot(per_rate, floor, target, a, Path(a.plot))
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print(json.dumps(result))
