@@ -27,7 +27,8 @@ A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
---push-dtype, --max-staleness, --sketch-every) are fixed by the peer that starts the swarm and kept
+--push-dtype, --max-staleness, --sketch-every, --ef-decay, and the local-step settings --sync-every,
+--outer-lr, --outer-momentum, --outer-nesterov, --overlap) are fixed by the peer that starts the swarm and kept
 in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
 
@@ -80,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-payload", type=int, help="bytes: send at least the entries that fill this much per step (a small "
       f"model's payloads would otherwise be sparser than worth it; 0 = only --ratio; default {d.min_payload})")
     a("--warmup-steps", type=int, help=f"steps over which the ratio decays to --ratio (default {d.warmup_steps})")
+    a("--ef-decay", type=float, help="the error-feedback residual is multiplied by this before each payload "
+      "(SparseLoCo's outer momentum; 1 = exact error feedback, the default)")
+    a("--sync-every", type=int, metavar="H", help="local steps: take H steps of the task's optimizer on this "
+      "peer's copy, then send one compressed pseudo-gradient (global minus local parameters) per window; "
+      "--steps counts these inner steps and must be a multiple of H (default 1: every step is a round)")
+    a("--outer-lr", type=float, help="with --sync-every: the outer step's learning rate on the aggregated "
+      "pseudo-gradient (default 1.0: with no momentum, the peers' models are averaged)")
+    a("--outer-momentum", type=float, help="with --sync-every: the outer step's momentum (default 0)")
+    a("--outer-nesterov", type=int, help="with --sync-every: 1 = Nesterov outer momentum (DiLoCo: --outer-lr 0.7 "
+      "--outer-momentum 0.9 --outer-nesterov 1; default 0)")
+    a("--overlap", type=int, help="with --sync-every: 1 = a window's round travels while the next window computes, "
+      "and its outer step lands one window later (default 0)")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
     a("--seed", type=int, help=f"the swarm seed: every peer builds the model under it, and all must use the same "
                                f"(default {d.seed})")

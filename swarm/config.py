@@ -55,6 +55,13 @@ class PeerConfig:
     ratio: float = 0.01
     chunk: int = 0  # > 0: chunk-wise Top-K, each run of this many entries keeps its share (0 = global)
     warmup_steps: int = 20
+    ef_decay: float = 1.0  # the error-feedback residual is multiplied by this before each payload (1 = exact)
+    # local steps (docs/design.md, "Local steps"): H inner steps of the task's optimizer, then one round
+    sync_every: int = 1  # H; 1 = every step is a round
+    outer_lr: float = 1.0  # the outer step on the aggregated pseudo-gradient (1, no momentum: averaging)
+    outer_momentum: float = 0.0
+    outer_nesterov: int = 0  # 1 = Nesterov outer momentum (DiLoCo's recipe: lr 0.7, momentum 0.9)
+    overlap: int = 0  # 1 = window t's round travels while window t+1 computes (a one-window-delayed update)
     min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
     # model size and the sharded tables
@@ -118,6 +125,18 @@ class PeerConfig:
              f"--compression must be one of {', '.join(COMPRESSION_MODES)}, got {self.compression!r}")
         need(0 < self.ratio <= 1, f"--ratio must be in (0, 1], got {self.ratio}")
         need(self.chunk == 0 or 64 <= self.chunk <= 1 << 24, f"--chunk must be 0 or in 64..{1 << 24}, got {self.chunk}")
+        need(0 < self.ef_decay <= 1, f"--ef-decay must be in (0, 1], got {self.ef_decay}")
+        need(1 <= self.sync_every <= 100000, f"--sync-every must be in 1..100000, got {self.sync_every}")
+        need(self.steps % self.sync_every == 0,
+             f"--steps ({self.steps}) must be a multiple of --sync-every ({self.sync_every}): a window is never cut short")
+        need(self.budget % self.sync_every == 0,
+             f"--budget ({self.budget}) must be a multiple of --sync-every ({self.sync_every})")
+        need(0 < self.outer_lr <= 10, f"--outer-lr must be in (0, 10], got {self.outer_lr}")
+        need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        need(self.outer_nesterov in (0, 1), f"--outer-nesterov must be 0 or 1, got {self.outer_nesterov}")
+        need(not self.outer_nesterov or self.outer_momentum > 0, "--outer-nesterov needs an --outer-momentum > 0")
+        need(self.overlap in (0, 1), f"--overlap must be 0 or 1, got {self.overlap}")
+        need(not self.overlap or self.sync_every > 1, "--overlap needs --sync-every > 1 (it overlaps windows)")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(0 <= self.min_payload <= 1 << 30, f"--min-payload must be in [0, 2**30] bytes, got {self.min_payload}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")

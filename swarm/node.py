@@ -32,14 +32,17 @@ from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Membership, MembershipConfig, SendSync
 from .joining import JoinError, Joining
+from .local_steps import LocalSteps
 from .membership_shell import MembershipShell
 from .status import report
 from .status.timeline import Timeline
 from .steptimes import StepTimes
 from .tables import RowOptConfig
 from .tables.audit import ReplicaAudit
+from .tables.window import WindowRows
 from .tables.http import TableClient
 from .tables.service import TableService
+from .outer import OuterConfig
 from .replica import MAX_NONFINITE, Replica, StepStats
 from .roles import Role, Solo
 from .task import Task, TaskError, TaskTypeError, load_task
@@ -91,6 +94,8 @@ class Peer:
         self.out = out
         # under torchrun this process is one rank of a host group (swarm/group, docs/design.md)
         self.group_env = GroupEnv.detect()
+        if self.group_env is not None and cfg.sync_every > 1:
+            raise ConfigError("--sync-every > 1 is not supported in a torchrun host group yet: run one peer per process")
         self.group = None  # the HostGroup, once started
         self.id = cfg.peer_id or os.urandom(8).hex()  # a rank of a host group: "<rank 0's>~<rank>" (start)
         if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
@@ -149,6 +154,13 @@ class Peer:
         self.active = False  # contributing gradients (false while a joiner syncs)
         self.started = False  # has begun its first step (joiners then need a state sync)
         self.dropped_sends = 0
+        # local steps (--sync-every H > 1): a round per window of H inner steps (docs/design.md)
+        self.window = cfg.sync_every
+        self.rounds_total = cfg.steps // cfg.sync_every  # rounds --steps stands for (0: no end)
+        self.inner_step = 0  # inner steps of the window being computed, counted from the swarm's start
+        self.sent_through = -1  # the last round our payload was sent for (an overlapped window runs ahead)
+        self.window_rows: WindowRows | None = None
+        self.local_steps = LocalSteps(self) if self.window > 1 else None
         self.last_sketch: list[float] | None = None  # refreshed every few steps on the training thread
         self._runner: web.AppRunner | None = None
 
@@ -231,8 +243,14 @@ class Peer:
         await self.joining.agree_settings()
         self.replica = await self.work(self._build_replica, device)
         self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
+        if self.window > 1:
+            self.replica.use_local_steps(OuterConfig(self.cfg.outer_lr, self.cfg.outer_momentum,
+                                                     bool(self.cfg.outer_nesterov)))
+            self.window_rows = WindowRows({t.name: t.dim for t in self.replica.table_specs},
+                                          RowOptConfig(kind="adam", lr=self.replica.table_lr))
+        # the codec counts rounds: with local steps, --warmup-steps (inner steps) is that many windows
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, chunk=self.cfg.chunk,
-                                warmup_steps=self.cfg.warmup_steps,
+                                warmup_steps=self.cfg.warmup_steps // self.window, ef_decay=self.cfg.ef_decay,
                                 clip_norm=self.cfg.clip_norm or None, min_bytes=self.cfg.min_payload)
         codec_cfg.validate()
         self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
@@ -482,13 +500,21 @@ class Peer:
         if donor is None:
             raise JoinError("no live, contributing peer to sync state from")
         limit = self.state_limit()
-        try:
-            blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
-                                                reply_limit=limit, kind="state")
-            step = await self.work(self.replica.load_state_blob, blob)
-        except (PeerUnreachable, ValueError) as e:
-            raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
-        self.book.reset(step)
+        while True:
+            try:
+                blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
+                                                    reply_limit=limit, kind="state")
+                step = await self.work(self.replica.load_state_blob, blob)
+            except (PeerUnreachable, ValueError) as e:
+                raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
+            self.book.reset(step)
+            gap = rounds.snapshot_gap(step, self.metas(), lambda p: self.book.has(step, p), self.book.last_step_from)
+            if not gap or time.monotonic() - t0 > self.cfg.sync_timeout + 30 or self._stop.is_set():
+                break
+            # a round-``step`` payload was sent before its sender knew us: a newer snapshot has it applied
+            self.event("sync-retry", f"state of step {step} is older than the payloads that reached us from "
+                                     f"{', '.join(p[:8] for p in gap)}: downloading a newer one")
+            await asyncio.sleep(0.3)
         self.event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
         # Replay every round whose payloads are all here, then join at the front a few steps on,
         # so that the others know to wait for us before our first payload is due.
@@ -497,12 +523,15 @@ class Peer:
             if not exp or self.book.missing(self.book.step, exp):
                 break
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(), 0))
-        start = self.book.step + 4
+        # (a window takes seconds: two of them are plenty for the news to spread)
+        start = self.book.step + (4 if self.window == 1 else 2)
+        self.sent_through = -1
         self._announce(start)
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
-        while self.book.step < start and not self._stop.is_set():
+        while self.book.step < start and not self._stop.is_set() and not (
+                self.rounds_total and self.book.step >= self.rounds_total):  # no round comes after the last
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
@@ -540,7 +569,7 @@ class Peer:
     def next_step(self) -> int | str:
         """What the loop does next, as a plain peer or a host group's leader decides it: STOP (stop()
         was called, or --steps is reached), RESYNC (core.rounds.must_resync), else the step to take."""
-        if self.stopping or (self.cfg.steps != 0 and self.book.step >= self.cfg.steps):
+        if self.stopping or (self.rounds_total != 0 and self.book.step >= self.rounds_total):
             return STOP
         return RESYNC if self.must_resync() else self.book.step
 
@@ -559,7 +588,7 @@ class Peer:
         self.active = False
         self.lifecycle.to(State.RESYNCING, time.monotonic())
         self.sketch_note = None
-        self.stop_contributing(last=self.book.step - 1)
+        self.stop_contributing(last=max(self.book.step - 1, self.sent_through))
         self.book.reset(self.book.step)
         try:
             await self._sync_state(donor)
@@ -590,6 +619,9 @@ class Peer:
                     await role.resync()
                     continue
                 step = cmd
+                if self.local_steps is not None:  # a round per window of inner steps (swarm/local_steps.py)
+                    await self.local_steps.round(role, step)
+                    continue
                 clock.start()
                 batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
                 prefetched = None
@@ -605,8 +637,7 @@ class Peer:
                     # the payload before the row pushes: the round waits for it, while row pushes only
                     # need to land within the owners' push window (on a slow link, bytes queued ahead
                     # of it delay everyone)
-                    self.book.offer(enc.decoded)
-                    self._broadcast(enc)
+                    self.send_payload(enc)
                 if role.prefetch and self.cfg.prefetch and not last:
                     # the next step's rows travel while this step's round completes; they may miss
                     # this step's own row update (one step stale), which is the price of the overlap
@@ -685,6 +716,17 @@ class Peer:
         if run >= MAX_NONFINITE:
             raise TaskError(f"the task's loss was not finite in {run} steps in a row (last at step {step}): stopping")
 
+    def send_payload(self, enc: Encoded) -> None:
+        """File our own payload for its round and queue it for every peer."""
+        self.book.offer(enc.decoded)
+        self._broadcast(enc)
+
+    def record_payload(self, enc: Encoded) -> None:
+        """Count the bytes of a payload we sent (a window's, with local steps)."""
+        self.progress.wire_bytes += enc.wire_bytes
+        self.progress.dense_equiv += enc.dense_bytes
+        self.progress.skipped_steps = self.compressor.skipped_steps
+
     def record_contribution(self, stats: Any, enc: Encoded | None) -> None:
         """Count a computed step (``enc``: the payload we sent for it, if we sent one)."""
         p = self.progress
@@ -694,9 +736,7 @@ class Peer:
         p.tokens += stats.samples * self.replica.task.tokens_per_sample
         p.contributed += 1
         if enc is not None:
-            p.wire_bytes += enc.wire_bytes
-            p.dense_equiv += enc.dense_bytes
-            p.skipped_steps = self.compressor.skipped_steps
+            self.record_payload(enc)
 
     def apply_round(self, result: roundbook.RoundResult) -> int:
         """Combine a round's payloads by the swarm's rule into ``aggregate`` and step the replica on
@@ -732,13 +772,27 @@ class Peer:
                 self._auditing = self._spawn(self.audit_tables(), "table-audit")  # off the step's path
         self.check_divergence()
         self.progress.lr_history.append((self.book.step, self.replica.lr()))
-        if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.cfg.steps:
+        if self.cfg.eval_every and self.book.step % self.cfg.eval_every == 0 and self.book.step != self.rounds_total:
             await self._evaluate_now()
         if self.cfg.checkpoint and time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every:
             await self.save_checkpoint()
+        self.maybe_print()
+
+    def maybe_print(self) -> None:
+        """A progress line, when --progress-interval has passed since the last one."""
         if time.monotonic() - self._last_print >= self.cfg.progress_interval:
             self._last_print = time.monotonic()
             self.out(self.progress_line())
+
+    def recent_loss(self) -> float:
+        """The mean training loss of the last 10 steps this peer computed (NaN before the first)."""
+        tail = self.progress.losses[-10:]
+        return sum(tail) / len(tail) if tail else float("nan")
+
+    def position(self) -> int:
+        """Steps of the task's optimizer the swarm has taken: rounds, or with local steps the inner
+        steps up to the window being computed (what the progress line and the summary count)."""
+        return self.book.step if self.window == 1 else max(self.inner_step, self.book.step * self.window)
 
     async def publish_sketch(self) -> None:
         """The replica's sketch, for the status page and, in our membership metadata, for the other

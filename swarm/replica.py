@@ -34,6 +34,7 @@ from safetensors.torch import save as st_save
 from . import statedict
 from .codec import Manifest
 from .codec.manifest import ManifestEntry
+from .outer import OuterConfig, OuterOptimizer
 from .sketch import param_sketch
 from .statedict import StateDictError, safetensors_metadata
 from .tables import TableSpec
@@ -179,6 +180,10 @@ class Replica:
         self._batches: Iterator | None = None
         self.nonfinite = 0  # steps whose loss was not finite
         self.nonfinite_run = 0  # ... in a row, now
+        # local steps (use_local_steps): the shared model as a flat vector and its outer optimizer;
+        # the model's own parameters are then this peer's local copy
+        self.outer: OuterOptimizer | None = None
+        self.global_flat = torch.zeros(0)
         self.optimizer_desc = self._describe_optimizer()
         self.fingerprint = self._fingerprint()
 
@@ -354,24 +359,78 @@ class Replica:
     @torch.no_grad()
     def apply_aggregate(self, agg: torch.Tensor, step: int, count: int) -> None:
         """Step on ``agg`` (a flat fp32 vector in manifest order) as round ``step``'s, where ``count``
-        contributions were combined (none: no step): the optimizer (then the scheduler) on the
-        parameters, the change added to the buffers. Every peer steps on the same bits."""
-        if count:
-            views = self.manifest.unflatten(agg)
-            for name, p in zip(self.names, self.params):
-                p.grad = views[name].to(self.device, p.dtype)
-            self.opt.step()
-            if self.sched is not None:
-                self.sched.step()
-            for p in self.params:
-                p.grad = None
-            for name in self.flowing:
-                b, d = self.buffers[name], views[name].to(self.device)
-                if b.dtype.is_floating_point:
-                    b.add_(d.to(b.dtype))
-                else:
-                    b.add_(torch.round(d).to(b.dtype))
+        contributions were combined (none: no step). Every peer steps on the same bits.
+
+        Every step a round: the optimizer (then the scheduler) on the parameters, the change added
+        to the buffers. Local steps: the outer step on the global vector, and the local model set
+        to it (its own window's progress comes back through the aggregate, docs/design.md)."""
+        if self.outer is not None:
+            if count:
+                self.outer.step(self.global_flat, agg)
+            self._write_local(self.global_flat)
+        elif count:
+            self._optimizer_step(agg)
         self.step = step + 1
+
+    @torch.no_grad()
+    def _optimizer_step(self, vec: torch.Tensor) -> None:
+        """The task's optimizer (then its scheduler) on ``vec``'s gradients; its buffer change added."""
+        views = self.manifest.unflatten(vec)
+        for name, p in zip(self.names, self.params):
+            p.grad = views[name].to(self.device, p.dtype)
+        self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        for p in self.params:
+            p.grad = None
+        for name in self.flowing:
+            b, d = self.buffers[name], views[name].to(self.device)
+            if b.dtype.is_floating_point:
+                b.add_(d.to(b.dtype))
+            else:
+                b.add_(torch.round(d).to(b.dtype))
+
+    # -- local steps (--sync-every H; docs/design.md, "Local steps") ----------------------------
+    def use_local_steps(self, cfg: OuterConfig) -> None:
+        """Train in windows: inner steps on the local model, one outer step per window on the
+        global vector (every trainable parameter, then every numeric buffer: the manifest's flat
+        space), which starts as the model is now."""
+        n_params = sum(int(p.numel()) for p in self.params)
+        self.outer = OuterOptimizer(self.numel, n_params, cfg)
+        self.global_flat = self._flat_local()
+
+    @torch.no_grad()
+    def _flat_local(self) -> torch.Tensor:
+        parts = [p.detach().reshape(-1).float().cpu() for p in self.params]
+        parts += [self.buffers[n].detach().reshape(-1).double().float().cpu() for n in self.flowing]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    @torch.no_grad()
+    def _write_local(self, flat: torch.Tensor) -> None:
+        views = self.manifest.unflatten(flat)
+        for name, p in zip(self.names, self.params):
+            p.copy_(views[name].to(self.device, p.dtype))
+        for name in self.flowing:
+            b = self.buffers[name]
+            v = views[name].to(self.device)
+            b.copy_(v.to(b.dtype) if b.dtype.is_floating_point else torch.round(v).to(b.dtype))
+
+    def inner_step(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
+                   ) -> tuple[StepStats, dict[str, tuple[np.ndarray, torch.Tensor]]]:
+        """One step of the task's optimizer on the local model (a non-finite loss: no step), its
+        buffers keeping their change; returns the stats and the pulled rows' gradients."""
+        stats, flat, row_grads = self.compute(batch, want, rows)
+        if stats.finite:
+            self._optimizer_step(flat)
+        return stats, row_grads
+
+    @torch.no_grad()
+    def end_window(self) -> torch.Tensor:
+        """The window's pseudo-gradient (global minus local, fp32 in manifest order); the local
+        model starts the next window from the global vector again."""
+        delta = self.global_flat - self._flat_local()
+        self._write_local(self.global_flat)
+        return delta
 
     def lr(self) -> float | None:
         """The first parameter group's learning rate now."""
@@ -391,7 +450,10 @@ class Replica:
 
     @torch.no_grad()
     def sketch(self) -> list[float]:
-        """param_sketch over the trainable parameters, then every numeric buffer (manifest order)."""
+        """param_sketch over the trainable parameters, then every numeric buffer (manifest order);
+        with local steps, over the global vector (the local copies differ by design)."""
+        if self.outer is not None:
+            return param_sketch(list(self.manifest.unflatten(self.global_flat).values()))
         return param_sketch([*self.params, *(self.buffers[n] for n in self.flowing)])
 
     # -- state transfer ---------------------------------------------------------------------
@@ -399,10 +461,18 @@ class Replica:
     def state_blob(self) -> bytes:
         """Model state, optimizer and scheduler state as one safetensors blob (GET /v1/state)."""
         tensors: dict[str, torch.Tensor] = {}
+        shared = self.manifest.unflatten(self.global_flat) if self.outer is not None else {}
         for name, p in [*zip(self.names, self.params), *self.frozen.items()]:
-            tensors["p." + name] = p.detach().cpu().contiguous()
+            t = shared[name].to(p.dtype) if name in shared else p.detach()  # local steps: the global model
+            tensors["p." + name] = t.cpu().contiguous()
         for name, b in self.buffers.items():
-            tensors["b." + name] = b.detach().cpu().contiguous()
+            t = b.detach()
+            if name in shared:
+                t = shared[name].to(b.dtype) if b.dtype.is_floating_point else torch.round(shared[name]).to(b.dtype)
+            tensors["b." + name] = t.cpu().contiguous()
+        if self.outer is not None:  # the shared vector exactly (a bf16 model rounds it) and the outer momentum
+            tensors["w.global"] = self.global_flat.clone()
+            tensors["w.momentum"] = self.outer.momentum.clone()
         opt_tree, opt_tensors = statedict.pack(self.opt.state_dict(), "o.")
         tensors.update(opt_tensors)
         sched_tree, sched_tensors = statedict.pack(self.sched.state_dict() if self.sched is not None else None, "s.")
@@ -461,8 +531,22 @@ class Replica:
                 statedict.same_shape(self.sched.state_dict(), sched_sd, "scheduler")
         except StateDictError as e:
             raise StateError(f"optimizer or scheduler state: {e}") from None
-        if set(tensors) - expected - {k for k in tensors if k[:2] in ("o.", "s.")}:
+        window_keys = {k for k in tensors if k[:2] == "w."}
+        if set(tensors) - expected - window_keys - {k for k in tensors if k[:2] in ("o.", "s.")}:
             raise StateError("state holds tensors of no known kind")
+        if self.outer is not None:
+            if window_keys != {"w.global", "w.momentum"}:
+                raise StateError("state lacks the global vector of local steps (a peer without --sync-every?)")
+            g = tensors["w.global"]
+            if g.dtype != torch.float32 or tuple(g.shape) != (self.numel,) or not torch.isfinite(g).all():
+                raise StateError(f"w.global must be finite float32 [{self.numel}], got {g.dtype} {tuple(g.shape)}")
+            try:
+                probe = OuterOptimizer(self.numel, self.outer.n_params, self.outer.cfg)
+                probe.load_state_dict({"momentum": tensors["w.momentum"]})
+            except ValueError as e:
+                raise StateError(str(e)) from None
+        elif window_keys:
+            raise StateError("state holds local-step tensors, this peer trains without --sync-every")
         try:
             self.opt.load_state_dict(opt_sd)  # builds the new state whole before it replaces the old one
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
@@ -473,6 +557,10 @@ class Replica:
             t.copy_(tensors["p." + n])
         for n, b in self.buffers.items():
             b.copy_(tensors["b." + n])
+        if self.outer is not None:
+            self.global_flat = tensors["w.global"].clone()
+            self.outer.load_state_dict({"momentum": tensors["w.momentum"]})
+            self._write_local(self.global_flat)
         self.step = step
         return step
 

@@ -126,3 +126,12 @@ def test_the_lifecycle_moves_only_along_its_table():
     lc2.to(State.STARTING, 1.0)  # staying is no move
     with pytest.raises(LifecycleError):
         lc2.to(State.RESYNCING, 1.0)  # never trained
+
+
+def test_snapshot_gap_names_the_senders_whose_round_after_the_snapshot_is_lost():
+    alive = {"a": PeerMeta(step=5, active=True), "b": PeerMeta(step=5, active=True), "c": PeerMeta(step=5),
+             "d": PeerMeta(step=4, active=True)}
+    have = {"b"}  # round 5's payloads here
+    last = {"a": 6, "b": 6, "c": 6, "d": 4}  # a sent round 6 (and 5 before it knew us); d has not sent 5 yet
+    assert rounds.snapshot_gap(5, alive, lambda p: p in have, last) == ["a"]  # c does not contribute
+    assert rounds.snapshot_gap(6, alive, lambda p: True, last) == []

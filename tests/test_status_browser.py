@@ -148,6 +148,7 @@ def fake_status(n: int) -> dict:
                "primary": ids[i], "replicas": [ids[(i + 1) % n]]} for tab in ("tok", "pos") for i in range(n)]
     return {
         "peer_id": ids[0], "addr": members[0]["addr"], "step": 500, "active": True, "loss": 3.0, "val_loss": 3.1,
+        "sync_every": 4, "overlap": True, "inner_step": 2002, "bytes_per_sample": 2048.0,
         "tokens_per_s": 5000.0, "members": members, "bytes_sent": {"grads": 10**9}, "bytes_received": {"grads": 2 * 10**9},
         "dense_bytes": 10**11, "compression_ratio": 190.0, "rounds": {}, "rejected": {"codec": 2}, "dropped_sends": 0,
         "events": [], "param_sketch": None, "now": now, "compression": "topk-int8",
@@ -185,6 +186,9 @@ async def test_page_stays_usable_with_fifty_peers_and_draws_the_ownership_map(tm
             assert "Hand-offs under way: 1" in await page.text_content("#tables")
             assert await page.text_content("#pull") == "p50 3.2 ms · p95 11.7 ms"
             assert await page.text_content("#c-peers") == "48"
+            # a swarm in windows of local steps says so, and what it sends per sample
+            assert "windows of 4 inner steps, overlapped (inner step 2,002)" in await page.text_content("#c-step-sub")
+            assert "sent per sample" in await page.text_content("#c-wire-sub")
             assert await page.text_content("#c-peers-sub") == "1 suspect · 1 dead · 0 left"
             assert await ink(page, "loss-chart") > 100
             await page.screenshot(path=str(tmp_path / "status-50.png"), full_page=True)

@@ -2,7 +2,9 @@
 
 Error feedback loses nothing: after each step the residual holds every unsent value
 plus the quantization error (value - dequantized value) of every sent one, so
-sum(decoded payloads) + residual == sum(gradients) up to fp32 rounding.
+sum(decoded payloads) + residual == sum(gradients) up to fp32 rounding. With
+``ef_decay`` < 1 (SparseLoCo's error feedback as outer momentum) the residual is
+multiplied by it before each payload's values are added: old unsent mass fades on purpose.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ class Compressor:
             return self._skip(step)
 
         acc = self.residual
+        if cfg.ef_decay != 1.0:
+            acc.mul_(cfg.ef_decay)
         acc.add_(g)                       # acc = residual + grad, in place
         k = max(k_for(self.n, cfg.ratio_at(step)), self.k_floor)
         mode = cfg.mode

@@ -36,6 +36,7 @@ class CodecConfig:
     dense_dtype: str = "bf16"
     warmup_steps: int = 0
     warmup_start_ratio: float = 0.25
+    ef_decay: float = 1.0  # residual *= ef_decay before each payload's values are added (1: exact)
     clip_norm: float | None = None
     exact: bool = False
     min_bytes: int = 0
@@ -63,6 +64,9 @@ class CodecConfig:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
                 or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if isinstance(self.ef_decay, bool) or not isinstance(self.ef_decay, (int, float)) \
+                or not (0.0 < self.ef_decay <= 1.0):
+            raise ValueError(f"ef_decay must be in (0, 1], got {self.ef_decay!r}")
         if not isinstance(self.warmup_start_ratio, (int, float)) \
                 or not (0.0 < self.warmup_start_ratio <= 1.0):
             raise ValueError(f"warmup_start_ratio must be in (0, 1], got {self.warmup_start_ratio!r}")

@@ -7,7 +7,7 @@ with what it sees now and acts on the answer.
 
 from __future__ import annotations
 
-from typing import Collection, Mapping
+from typing import Callable, Collection, Mapping
 
 from .meta import PeerMeta
 
@@ -63,6 +63,17 @@ def pick_donor(alive: Mapping[str, PeerMeta], prefer: str | None = None) -> str 
         if alive[pid].active and (best is None or alive[pid].step > alive[best].step):
             best = pid
     return best
+
+
+def snapshot_gap(step: int, alive: Mapping[str, PeerMeta], has: Callable[[str], bool],
+                 last_step_from: Mapping[str, int]) -> list[str]:
+    """After a state sync at ``step``: the contributors whose round-``step`` payload is lost to us.
+    A peer sends its payloads in step order, so one that already sent us a payload of round
+    ``step`` or later but not round ``step``'s itself sent that one before it knew us (with
+    --overlap a peer sends round s+1's payload before it applies round s, so a snapshot can be one
+    round older than the first payload that reached us). The snapshot is then too old to replay
+    from: download a newer one."""
+    return sorted(p for p, m in alive.items() if m.active and not has(p) and last_step_from.get(p, -1) >= step)
 
 
 def traffic_reaches_us(alive: Mapping[str, PeerMeta], last_step_from: Mapping[str, int]) -> bool:

@@ -21,7 +21,7 @@ def progress_line(peer: "Peer") -> str:
     ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
     rate = (f"tok/s {p.tokens / elapsed:.0f}" if peer.replica.task.tokens_per_sample
             else f"samples/s {p.samples / elapsed:.1f}")
-    return (f"step {peer.book.step} loss {loss:.3f} {rate} "
+    return (f"step {peer.position()} loss {loss:.3f} {rate} "
             f"peers {len(peer.members.alive_ids())} sent {sum(peer.counts.sent.values()) / 1e6:.2f}MB "
             f"recv {sum(peer.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
 
@@ -32,7 +32,10 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
     grads_sent = peer.counts.sent.get("grads", 0)
     return {
         "peer_id": peer.id,
-        "steps": peer.book.step,
+        "steps": peer.position(),  # optimizer steps (with local steps: inner steps)
+        "rounds": peer.book.step,
+        "sync_every": peer.window,  # inner steps per window (1: every step is a round)
+        "bytes_per_sample": round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None,
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
         "final_loss": sum(tail) / len(tail) if tail else None,
@@ -92,7 +95,11 @@ def status(peer: "Peer") -> dict:
     return {
         "peer_id": peer.id,
         "addr": peer.addr,
-        "step": peer.book.step,
+        "step": peer.book.step,  # rounds (with local steps: windows)
+        "inner_step": peer.position(),
+        "sync_every": peer.window,
+        "overlap": bool(peer.cfg.overlap),
+        "bytes_per_sample": round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None,
         "active": peer.active,
         "state": peer.lifecycle.state.value,  # core/lifecycle.py State
         "loss": sum(recent) / len(recent) if recent else None,

@@ -219,7 +219,9 @@ function render(s) {
   $("c-step").textContent = fmtInt(sw.step ?? s.step);
   $("c-step-sub").textContent = `this peer ${fmtInt(s.step)}` +
     (s.group ? ` · rank ${s.group.rank} of ${s.group.size} (${s.group.backend})` : s.active ? "" : " (idle)") +
-    ` · epoch ${sw.epoch ?? 0}`;
+    ` · epoch ${sw.epoch ?? 0}` +
+    (s.sync_every > 1 ? ` · windows of ${s.sync_every} inner steps${s.overlap ? ", overlapped" : ""}` +
+      ` (inner step ${fmtInt(s.inner_step)})` : "");
   const t = s.task;
   const lm = !t || t.tokens_per_sample > 0;  // a language model counts tokens, other tasks samples
   $("task").textContent = t ? taskLine(t) : "";
@@ -235,7 +237,8 @@ function render(s) {
   $("c-ratio").textContent = s.compression_ratio ? "×" + s.compression_ratio.toFixed(0) : "–";
   $("c-ratio-sub").textContent = s.compression || "";
   $("c-wire").textContent = fmtBytes(sum(s.bytes_sent)) + " ↑";
-  $("c-wire-sub").textContent = `${fmtBytes(sum(s.bytes_received))} ↓ received`;
+  $("c-wire-sub").textContent = `${fmtBytes(sum(s.bytes_received))} ↓ received` +
+    (s.bytes_per_sample ? ` · ${fmtBytes(s.bytes_per_sample)} sent per sample` : "");
   $("c-wire-sub").title = `dense fp32 to the same peers: ${fmtBytes(s.dense_bytes)}`;
   const pl = s.pull_latency_ms;
   $("pull").textContent = pl ? `p50 ${fmt(pl.p50, 1)} ms · p95 ${fmt(pl.p95, 1)} ms` : "not enabled";

@@ -1,0 +1,121 @@
+"""Local steps (--sync-every H): one round per window of H inner steps, run by the peer's step loop.
+
+A window: H times, a batch, its rows (each pulled at most once per window, tables/window.py), one
+step of the task's optimizer on this peer's local model; then the window's pseudo-gradient (global
+minus local) goes through the codec (error feedback, --ef-decay) as round ``w``'s payload, the row
+gradients summed over the window go to their primaries, and the round's aggregate is one outer
+step on the global vector (swarm/outer.py) that every peer applies alike.
+
+With --overlap, the round of window w travels while window w+1 computes: each loop iteration for
+round w computes and sends window w+1, then takes round w (whose payloads arrived meanwhile). Window
+w+1 therefore starts from the global model without window w's update: a one-window-delayed outer
+update (docs/design.md, "Local steps"). The first window after a start or a re-sync has nothing to
+overlap with: its iteration computes window w first.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from .codec import Encoded
+
+if TYPE_CHECKING:
+    from .node import Peer
+    from .roles import Role
+
+
+class LocalSteps:
+    """The window side of a peer's step loop (Peer.steps calls ``round`` once per round)."""
+
+    def __init__(self, peer: "Peer"):
+        self.peer = peer
+        self.h = peer.cfg.sync_every
+        self.overlap = bool(peer.cfg.overlap)
+
+    async def round(self, role: "Role", step: int) -> None:
+        """Round ``step``: its window (unless an overlapped iteration sent it already), the next
+        window with --overlap, then the round taken and the outer step applied."""
+        peer = self.peer
+        if peer.sent_through < step:
+            if not await self.window(role, step):
+                return  # stopped mid-window: nothing sent, the loop ends
+        last_round = peer.rounds_total != 0 and step + 1 >= peer.rounds_total
+        if self.overlap and not last_round and not peer.stopping:
+            if not await self.window(role, step + 1, ends_step=False):
+                return
+        await role.round(step)  # marks "round" and "apply"
+        await peer.after_step(step, peer.recent_loss())
+        peer.step_times.mark("after")
+        peer.step_times.end()
+
+    async def window(self, role: "Role", w: int, ends_step: bool = True) -> bool:
+        """Compute window ``w`` and send its payload and row pushes; False when the peer stopped
+        before the window was done (nothing is sent). The step clock files each inner step; the
+        window's last one also holds what follows it (send, and round and apply with ``ends_step``)."""
+        peer, clock, rows = self.peer, self.peer.step_times, self.peer.window_rows
+        await peer.work(rows.clear)
+        nxt: asyncio.Future | None = None
+        try:
+            nxt = await self._next_batch(role)
+            for i in range(self.h):
+                if peer.stopping:
+                    return False
+                clock.start()
+                batch, want = await nxt
+                nxt = None
+                clock.mark("rows")
+                if i + 1 < self.h:
+                    nxt = await self._next_batch(role)  # its rows travel while this step computes
+                peer.inner_step = w * self.h + i + 1
+                stats, row_grads = await peer.work(self._inner, batch, want)
+                clock.mark("compute")
+                peer.check_finite(stats, peer.inner_step - 1)
+                peer.record_contribution(stats, None)
+                if i + 1 < self.h:
+                    clock.end()
+                    peer.maybe_print()
+        finally:
+            if nxt is not None:
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+        enc: Encoded = await peer.work(self._payload, w)
+        last = peer.rounds_total != 0 and w + 1 >= peer.rounds_total
+        pushes = await peer.work(rows.pushes)
+        if last:  # the last rows go out before the last payload (Peer._settle_rows relies on it)
+            await role.push(pushes, {}, w)
+        peer.send_payload(enc)
+        if not last:
+            await role.push(pushes, {}, w)
+        peer.record_payload(enc)
+        peer.sent_through = w
+        clock.mark("send")
+        if not ends_step:
+            clock.end()
+        peer.maybe_print()
+        return True
+
+    async def _next_batch(self, role: "Role") -> asyncio.Future:
+        """Sample the next batch now (training thread) and start pulling the rows of it that this
+        window has not pulled yet; the future is done once they are in the working copy."""
+        peer = self.peer
+        batch, want = await peer.sample_batch()
+        need = await peer.work(peer.window_rows.missing, want)
+
+        async def pull() -> tuple[Any, dict]:
+            if any(len(ids) for ids in need.values()):
+                got, absent = await role.pull(need)
+                await peer.work(peer.window_rows.add, need, got, absent)
+            return batch, want
+
+        return asyncio.ensure_future(pull())
+
+    def _inner(self, batch: Any, want: dict) -> tuple[Any, dict]:
+        """One inner step on the window's working rows (training thread)."""
+        rows = self.peer.window_rows.rows(want)
+        stats, row_grads = self.peer.replica.inner_step(batch, want, rows)
+        self.peer.window_rows.update(row_grads)
+        return stats, row_grads
+
+    def _payload(self, w: int) -> Encoded:
+        """The window's pseudo-gradient, compressed as round ``w``'s payload (training thread)."""
+        return self.peer.compressor.compress(self.peer.replica.end_window(), w)

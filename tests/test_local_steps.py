@@ -1,0 +1,298 @@
+"""Local steps (--sync-every H): the outer step, the replica's windows, the window's table rows,
+error feedback across windows, and real peers (in-process and `python peer.py`) training in windows."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from swarm import settings
+from swarm.codec import CodecConfig, Compressor
+from swarm.config import ConfigError, PeerConfig
+from swarm.node import Peer
+from swarm.outer import OuterConfig, OuterOptimizer
+from swarm.replica import Replica, StateError
+from swarm.tables import RowOptConfig
+from swarm.tables.window import WindowRows
+from swarm.tasks import default_task
+
+from .conftest import small_cfg
+from .test_peer_cli import run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- the outer step --------------------------------------------------------------------------------
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_outer_step_is_torch_sgd_on_the_parameters_and_plain_on_the_buffers(momentum, nesterov):
+    gen = torch.Generator().manual_seed(1)
+    n, n_params = 50, 40
+    flat = torch.randn(n, generator=gen)
+    ref = torch.nn.Parameter(flat[:n_params].clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=momentum, nesterov=nesterov)
+    outer = OuterOptimizer(n, n_params, OuterConfig(0.7, momentum, nesterov))
+    buffers = flat[n_params:].clone()
+    for _ in range(4):
+        agg = torch.randn(n, generator=gen)
+        outer.step(flat, agg)
+        ref.grad = agg[:n_params].clone()
+        sgd.step()
+        buffers -= agg[n_params:]
+        assert torch.allclose(flat[:n_params], ref.detach(), atol=1e-6)
+        assert torch.equal(flat[n_params:], buffers)
+
+
+def test_outer_lr_one_without_momentum_averages_the_local_models():
+    n = 10
+    g = torch.arange(n, dtype=torch.float32)
+    locals_ = [g - torch.full((n,), float(i)) for i in range(1, 4)]
+    agg = torch.stack([g - loc for loc in locals_]).mean(0)  # the mean pseudo-gradient
+    OuterOptimizer(n, n, OuterConfig()).step(g, agg)
+    assert torch.allclose(g, torch.stack(locals_).mean(0))
+
+
+def test_outer_config_and_momentum_state_are_checked():
+    with pytest.raises(ValueError, match="Nesterov"):
+        OuterConfig(1.0, 0.0, True)
+    with pytest.raises(ValueError, match="momentum"):
+        OuterConfig(1.0, 1.0)
+    o = OuterOptimizer(8, 6, OuterConfig(1.0, 0.5))
+    with pytest.raises(ValueError, match="float32"):
+        o.load_state_dict({"momentum": torch.zeros(5)})
+    with pytest.raises(ValueError, match="non-finite"):
+        o.load_state_dict({"momentum": torch.full((6,), float("nan"))})
+
+
+# -- the replica's windows -------------------------------------------------------------------------
+def _replica() -> Replica:
+    cfg = small_cfg()
+    r = Replica(default_task(cfg), seed=0)
+    r.set_shard(0, 1, 0)
+    return r
+
+
+def _inner(r: Replica, steps: int) -> None:
+    for _ in range(steps):
+        batch, want = r.sample()
+        rows = {t: torch.zeros(len(ids), r.modules[t].embedding_dim) for t, ids in want.items()}
+        stats, _ = r.inner_step(batch, want, rows)
+        assert stats.finite
+
+
+def test_a_window_moves_the_local_model_only_and_the_outer_step_brings_it_back():
+    r = _replica()
+    r.use_local_steps(OuterConfig())
+    start = r.global_flat.clone()
+    _inner(r, 3)
+    assert torch.equal(r.global_flat, start)  # inner steps never touch the global vector
+    local = torch.cat([p.detach().reshape(-1) for p in r.params])
+    delta = r.end_window()
+    assert torch.allclose(start[:local.numel()] - delta[:local.numel()], local, atol=1e-6)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in r.params]), start[:local.numel()])
+    r.apply_aggregate(delta, step=0, count=1)  # one peer, lr 1: the new global is its local model
+    assert r.step == 1
+    assert torch.allclose(r.global_flat[:local.numel()], local, atol=1e-6)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in r.params]), r.global_flat[:local.numel()])
+
+
+def test_state_blob_of_local_steps_carries_the_global_vector_and_is_refused_elsewhere():
+    a = _replica()
+    a.use_local_steps(OuterConfig(0.7, 0.9, True))
+    _inner(a, 2)
+    a.apply_aggregate(a.end_window(), step=0, count=1)
+    _inner(a, 2)  # mid-window: the blob still holds the global model, not this peer's local one
+    blob = a.state_blob()
+    b = _replica()
+    b.use_local_steps(OuterConfig(0.7, 0.9, True))
+    assert b.load_state_blob(blob) == 1
+    assert torch.equal(b.global_flat, a.global_flat)
+    assert torch.equal(b.outer.momentum, a.outer.momentum) and a.outer.momentum.abs().sum() > 0
+    assert b.sketch() == a.sketch()
+    plain = _replica()
+    with pytest.raises(StateError, match="without --sync-every"):
+        plain.load_state_blob(blob)
+    with pytest.raises(StateError, match="global vector"):
+        b.load_state_blob(plain.state_blob())
+
+
+# -- the window's table rows ----------------------------------------------------------------------
+def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_summed_gradient():
+    w = WindowRows({"t": 4}, RowOptConfig(kind="adam", lr=0.1))
+    first = {"t": np.array([1, 5, 9])}
+    assert np.array_equal(w.missing(first)["t"], [1, 5, 9])
+    w.add(first, {"t": torch.ones(3, 4)}, {"t": np.array([9])})  # row 9: its owner could not serve it
+    second = {"t": np.array([0, 5, 9])}
+    assert np.array_equal(w.missing(second)["t"], [0])  # 5 and 9 are in the window already
+    w.add({"t": np.array([0])}, {"t": torch.full((1, 4), 2.0)}, {})
+    with pytest.raises(ValueError, match="twice"):
+        w.add({"t": np.array([5])}, {"t": torch.ones(1, 4)}, {})
+    assert w.pulled == 4
+    g1 = torch.tensor([[1.0, -1, 0, 2]] * 3)
+    w.update({"t": (first["t"], g1)})
+    moved = w.rows({"t": np.array([1, 5, 9])})["t"]
+    # Adam's first step moves each value by lr against its gradient's sign (0 where it is 0)
+    assert torch.allclose(moved[0], torch.tensor([0.9, 1.1, 1.0, 0.9]), atol=1e-5)
+    assert torch.equal(moved[2], torch.ones(4))  # an unserved row does not move
+    g2 = torch.tensor([[0.5, 0.5, 0.5, 0.5]] * 3)
+    w.update({"t": (second["t"], g2)})
+    ids, grads = w.pushes()["t"]
+    assert ids.tolist() == [0, 1, 5]  # 9 was never served: no push
+    assert torch.allclose(grads, torch.stack([g2[0], g1[0], g1[1] + g2[1]]))
+    w.clear()
+    assert w.pulled == 0 and w.pushes()["t"][0].size == 0
+    with pytest.raises(KeyError):
+        w.rows(first)
+
+
+# -- error feedback across windows ----------------------------------------------------------------
+def test_error_feedback_loses_no_mass_across_windows():
+    r = _replica()
+    r.use_local_steps(OuterConfig())
+    comp = Compressor(r.manifest, CodecConfig(mode="topk-int2", ratio=0.01), sender="x")
+    total = torch.zeros(r.numel, dtype=torch.float64)
+    sent = torch.zeros(r.numel, dtype=torch.float64)
+    for w in range(4):
+        _inner(r, 2)
+        delta = r.end_window()
+        total += delta.double()
+        enc = comp.compress(delta, w)
+        dense = torch.zeros(r.numel)
+        enc.decoded.add_to(dense)
+        sent += dense.double()
+        r.apply_aggregate(dense, step=w, count=1)
+    scale = float(total.abs().max())
+    assert float((sent + comp.residual.double() - total).abs().max()) <= 1e-5 * scale
+
+
+def test_ef_decay_fades_the_residual_by_design():
+    from swarm.codec import Manifest, ManifestEntry
+    m = Manifest((ManifestEntry("a", (1000,), "float32"),))
+    comp = Compressor(m, CodecConfig(mode="topk", ratio=0.01, ef_decay=0.5), sender="x")
+    g = torch.linspace(-1, 1, 1000)
+    comp.compress(g, 0)
+    before = comp.residual.clone()
+    enc = comp.compress(g, 1)
+    dense = torch.zeros(1000)
+    enc.decoded.add_to(dense)
+    assert torch.allclose(comp.residual, 0.5 * before + g - dense, atol=1e-6)
+    with pytest.raises(ValueError, match="ef_decay"):
+        CodecConfig(ef_decay=0.0).validate()
+
+
+# -- settings and flags ----------------------------------------------------------------------------
+def test_local_step_settings_are_swarm_wide_and_checked():
+    cfg = PeerConfig(sync_every=8, steps=64, outer_momentum=0.9, outer_nesterov=1, overlap=1, ef_decay=0.95)
+    cfg.validate()
+    mine = settings.given(cfg)
+    assert {"sync_every", "outer_nesterov", "overlap", "ef_decay"} <= set(mine)
+    swarm = settings.of(PeerConfig(sync_every=4, steps=64, outer_momentum=0.9, outer_nesterov=1, overlap=1,
+                                   ef_decay=0.95))
+    line = settings.conflict(swarm, mine)
+    assert line is not None and "--sync-every" in line
+    # a swarm whose settings predate local steps trained every step as a round
+    old = {k: v for k, v in settings.of(PeerConfig()).items()
+           if k not in ("sync_every", "outer_lr", "outer_momentum", "outer_nesterov", "overlap", "ef_decay")}
+    assert settings.parse(old)["sync_every"] == 1
+    for bad, needle in [(dict(sync_every=8, steps=60), "multiple"), (dict(overlap=1), "--overlap"),
+                        (dict(sync_every=4, outer_nesterov=1), "--outer-nesterov"), (dict(ef_decay=1.5), "--ef-decay"),
+                        (dict(sync_every=0), "--sync-every")]:
+        with pytest.raises(ConfigError, match=needle):
+            PeerConfig(**bad).validate()
+
+
+def test_a_bad_local_step_flag_is_one_line_and_exit_2():
+    r = run_cli("--sync-every", "8", "--steps", "12")
+    assert r.returncode == 2 and "multiple of --sync-every" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- peers training in windows --------------------------------------------------------------------
+async def _start(**kw) -> Peer:
+    peer = Peer(small_cfg(**kw), out=lambda line: None)
+    await peer.start()
+    return peer
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
+    kw = dict(steps=24, min_peers=3, sync_every=4, overlap=overlap, sketch_every=2)
+    a = await _start(**kw)
+    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    c = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run(), c.run()), 150)
+        status = a.status()
+    finally:
+        for p in (a, b, c):
+            await p.close()
+    for r in results:
+        assert r["steps"] == 24 and r["rounds"] == 6 and r["sync_every"] == 4
+        assert r["steps_contributed"] == 24 and r["rounds_timed_out"] == 0
+        assert r["val_loss"] < r["first_loss"] - 1.0
+        assert r["resyncs"] == {}  # the sketches, compared every 2 rounds, never differed
+        assert r["bytes_per_sample"] > 0
+    assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"]
+    assert torch.equal(a.replica.global_flat, b.replica.global_flat)
+    assert torch.equal(a.replica.global_flat, c.replica.global_flat)
+    assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=5e-4)
+    assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
+
+
+async def test_a_peer_joining_mid_run_syncs_at_a_window_boundary_and_agrees():
+    kw = dict(steps=48, sync_every=4, overlap=1)
+    a = await _start(min_peers=2, **kw)
+    b = await _start(min_peers=2, join=f"127.0.0.1:{a.port}", **kw)
+    runs = [asyncio.ensure_future(a.run()), asyncio.ensure_future(b.run())]
+    c = None
+    try:
+        while a.book.step < 3:
+            await asyncio.sleep(0.05)
+        c = await _start(join=f"127.0.0.1:{b.port}", **kw)
+        runs.append(asyncio.ensure_future(c.run()))
+        ra, rb, rc = await asyncio.wait_for(asyncio.gather(*runs), 150)
+    finally:
+        for p in (a, b, c):
+            if p is not None:
+                await p.close()
+    assert ra["steps"] == rb["steps"] == rc["steps"] == 48
+    assert rc["state_bytes_received"] > 0
+    assert ra["rounds_timed_out"] == rb["rounds_timed_out"] == rc["rounds_timed_out"] == 0  # no round lost
+    assert 0 < rc["steps_contributed"] < 48 - 12 and rc["steps_contributed"] % 4 == 0  # whole windows
+    assert ra["param_sketch"] == rb["param_sketch"] == rc["param_sketch"]  # the synced global vector exactly
+
+
+async def test_a_checkpoint_of_local_steps_resumes_at_its_window(tmp_path: Path):
+    ck = str(tmp_path / "ck")
+    a = await _start(steps=8, sync_every=4, checkpoint=ck)
+    try:
+        first = await a.run()
+    finally:
+        await a.close()
+    assert first["rounds"] == 2
+    b = await _start(steps=16, sync_every=4, checkpoint=ck)
+    try:
+        assert b.book.step == 2 and torch.equal(b.replica.global_flat, a.replica.global_flat)
+        second = await b.run()
+    finally:
+        await b.close()
+    assert second["steps"] == 16 and second["rounds"] == 4 and second["steps_contributed"] == 8
+
+
+async def test_sigkill_of_a_peer_mid_window_the_others_finish_in_agreement(spawn):
+    args = ["--steps", "48", "--sync-every", "4", "--overlap", "1", "--min-peers", "3", "--round-timeout", "10"]
+    a = spawn(*args)
+    port = await a.port()
+    b = spawn(*args, "--join", f"127.0.0.1:{port}")
+    victim = spawn(*args, "--join", f"127.0.0.1:{port}", "--progress-interval", "0")
+    await victim.read_until(r"^step (1[3-9]|2\d)\b", timeout=120)  # killed inside a window past step 12
+    victim.kill(signal.SIGKILL)
+    (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))
+    assert ca == 0 and cb == 0, (sa, sb)
+    for s in (sa, sb):
+        assert s["steps"] == 48 and s["steps_contributed"] == 48
+        assert s["val_loss"] < s["first_loss"] - 1.0
+    assert sa["param_sketch"] == sb["param_sketch"]
