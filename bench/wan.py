@@ -302,12 +302,12 @@ def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
 
 def local_flags(settings: dict, sync_every: int) -> list[str]:
     """peer.py flags of a local-step method: --sync-every H, then its settings (LOCAL_STEP, DILOCO):
-    a value key becomes `--key value`, a True flag key (outer_nesterov, overlap) `--key`."""
+    a key becomes `--key value`, a True switch (outer_nesterov, overlap) `--key 1`, a False one nothing."""
     out = ["--sync-every", str(sync_every)]
     for key, v in settings.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(v, bool):
-            out += [flag] if v else []
+            out += [flag, "1"] if v else []
         elif v is not None:
             out += [flag, str(v)]
     return out
@@ -404,6 +404,12 @@ def project_curve(full: list[tuple[int, float, float]], timing: list[tuple[int, 
         return k // sync_every - k0 // sync_every if sync_every > 1 else 0
 
     return [(k, t0 + (k - k0) * p + windows(k) * x, loss) for k, _, loss in full], info
+
+
+def timing_done(curve: list[tuple[int, float, float]], min_steps: int, cap_s: float) -> bool:
+    """Has a timing run seen enough: at least `min_steps` steps (for H > 1 a whole sync window) and
+    `cap_s` seconds since step 1? (At 8mbit a dense DDP step takes about a minute.)"""
+    return len(curve) >= 3 and curve[-1][0] >= min_steps and curve[-1][1] - curve[0][1] >= cap_s
 
 
 def ddp_target(runs: dict[str, dict]) -> float | None:
@@ -874,7 +880,7 @@ def mean_phases(reports: list[dict]) -> dict[str, float] | None:
     return out
 
 
-def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int) -> dict:
+def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int, enough=None) -> dict:
     name = f"ddp-{tables}"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
     procs = []
@@ -884,14 +890,24 @@ def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int) -> dict:
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags]
         procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
-    return collect_baseline(wan, a, procs, tx0)[0]
+    return collect_baseline(wan, a, procs, tx0, enough)[0]
 
 
-def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int]) -> tuple[dict, list[dict]]:
-    """Wait for a baseline's ranks (bench/ddp_baseline.py or bench/hivemind_baseline.py, the same
-    output format) and measure them like any method; also returns their summaries."""
+def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int],
+                     enough=None) -> tuple[dict, list[dict]]:
+    """Wait for a baseline's ranks (bench/ddp_baseline.py, bench/hivemind_baseline.py or
+    bench/torchft_baseline.py, the same output format) and measure them like any method; also
+    returns their summaries. ``enough(curve)``: end the run (kill it) once true, a timing run."""
     sampler = TxSampler([p.p.pid for p in procs])
-    codes = [p.wait(a.run_timeout) for p in procs]
+    deadline = time.time() + a.run_timeout
+    while enough is not None and any(p.p.poll() is None for p in procs) and time.time() < deadline:
+        curve = merge_curves([parse_ddp_lines([line for _, line in list(p.lines)])[0] for p in procs])
+        if enough(curve):
+            for p in procs:
+                kill(p.p)
+            break
+        time.sleep(0.5)
+    codes = [p.wait(max(1.0, deadline - time.time())) for p in procs]
     samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
@@ -918,7 +934,7 @@ def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, s
     return r.stdout.strip(), None
 
 
-def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
+def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -> dict:
     """bench/hivemind_baseline.py x N, peer 0 first; the others join its DHT at its multiaddr."""
     name = "hivemind"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
@@ -946,7 +962,7 @@ def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
                 "health": {"warning": "peer 0 printed no multiaddr"}}
     for i in range(1, wan.n):
         procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-{wan.rate}-p{i}.err"))
-    out, summaries = collect_baseline(wan, a, procs, tx0)
+    out, summaries = collect_baseline(wan, a, procs, tx0, enough)
     return {**out, "health": hivemind_health(summaries, wan.n)}
 
 
@@ -971,7 +987,7 @@ def probe_torchft(python: str, code: str = TORCHFT_PROBE) -> tuple[str | None, s
     return r.stdout.strip(), None
 
 
-def run_torchft(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
+def run_torchft(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -> dict:
     """bench/torchft_baseline.py x N (one replica group of one rank each) and its lighthouse, in
     peer 0's namespace at its address."""
     name, script = "torchft-diloco", str(ROOT / "bench" / "torchft_baseline.py")
@@ -995,7 +1011,7 @@ def run_torchft(wan: Wan, a, log: Path, python: str, steps: int) -> dict:
                 *a.base_model_flags]
         procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
     try:
-        out, summaries = collect_baseline(wan, a, procs, tx0)
+        out, summaries = collect_baseline(wan, a, procs, tx0, enough)
     finally:
         kill(lh.p)
     out["outer_steps_committed"] = [s.get("outer_steps_committed") for s in summaries]
@@ -1097,14 +1113,15 @@ def _f(v, d: int) -> str:
 # ----------------------------------------------------------------------------- main
 
 
-def run_method(wan: Wan, a, m: str, log: Path, steps: int, target: float | None, pythons: dict) -> dict:
+def run_method(wan: Wan, a, m: str, log: Path, steps: int, target: float | None, pythons: dict,
+               enough=None) -> dict:
     if m in SWARM_FLAGS:
         return run_swarm(wan, a, m, log, steps, target)
     if m == "hivemind":
-        return run_hivemind(wan, a, log, pythons["hivemind"], steps)
+        return run_hivemind(wan, a, log, pythons["hivemind"], steps, enough)
     if m == "torchft-diloco":
-        return run_torchft(wan, a, log, pythons["torchft"], steps)
-    return run_ddp(wan, a, m.split("-")[1], log, steps)
+        return run_torchft(wan, a, log, pythons["torchft"], steps, enough)
+    return run_ddp(wan, a, m.split("-")[1], log, steps, enough)
 
 
 def main() -> int:
@@ -1117,6 +1134,9 @@ def main() -> int:
                          "at every other --rate they are timed for --timing-steps steps")
     ap.add_argument("--timing-steps", type=int, default=10,
                     help="steps a synchronous baseline is timed at a rate (torchft: rounded up to whole sync windows)")
+    ap.add_argument("--timing-seconds", type=float, default=150.0,
+                    help="a timing run also ends after this many seconds past step 1 once it has 3 steps "
+                         "(torchft: one sync window); dense DDP takes about a minute a step at 8mbit")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
     ap.add_argument("--model", choices=sorted(MODELS), default="small",
                     help="model preset (small: the built-in size; big: 5.1M dense parameters, small tables, batch 4)")
@@ -1229,7 +1249,9 @@ def main() -> int:
             elif kind == "timing":
                 H = sync_every_of(m)
                 n = max(2, -(-a.timing_steps // H)) * H if H > 1 else a.timing_steps
-                res = run_method(wan, a, m, log, n, None, pythons)
+                min_steps = H if H > 1 else 3
+                res = run_method(wan, a, m, log, n, None, pythons,
+                                 enough=lambda c, k=min_steps: timing_done(c, k, a.timing_seconds))
                 curve, info = project_curve(full[m].get("curve") or [], res.get("curve") or [], H)
                 per_rate[r][m] = {**full[m], "curve": curve, "step_time_s": step_time(curve),
                                   "timing": {**info, "measured_step_time_s": res.get("step_time_s"),
@@ -1279,8 +1301,8 @@ def main() -> int:
     result.update(
         target_from=target_from,
         sync_baselines=(f"{', '.join(m for m in methods if m in SYNC_METHODS) or 'none'}: whole budget once at "
-                        f"{full_rate or 'unshaped links'} (loss and bytes), timed {a.timing_steps} steps "
-                        f"(torchft: whole sync windows) at every other rate; their time to the target there is "
+                        f"{full_rate or 'unshaped links'} (loss and bytes), timed {a.timing_steps} steps or "
+                        f"{a.timing_seconds:g} s (at least 3 steps; torchft whole sync windows) at every other rate; their time to the target there is "
                         f"projected from the timing run (plain step time and sync extra)"),
         swarm_methods=("whole budget at every rate" + (f", extended up to x{a.extra_steps_factor:g} until the target "
                                                        f"(val_loss at the budget)" if a.extra_steps_factor > 1 else
