@@ -1,58 +1,101 @@
 #!/usr/bin/env python3
-"""Slow-network benchmark: the swarm against torch DDP (gloo) and Hivemind on shaped links, in one run.
+"""Slow-network benchmark: the swarm (per-step and local-step) against torch DDP (gloo), torchft's
+DiLoCo and Hivemind on shaped links, at two link rates, in one run.
 
 Needs root (network namespaces and tc); without root it prints one line saying so and exits 0.
 
 N peers (default 4), each in its own network namespace, joined by veth pairs to a bridge in a hub
 namespace (10.77.0.0/24, addresses exist only inside these namespaces). Every peer's link is shaped
-with `tc tbf` to --rate in both directions (its veth egress = upload, the hub side = download).
-There is no netem in this kernel, and the one-way delay option is NOT implemented (--delay-ms > 0
-is refused, not ignored).
+with `tc tbf` in both directions (its veth egress = upload, the hub side = download), to each
+--rate in turn (default 80mbit ~ 10 MB/s, then 8mbit ~ 1 MB/s): the same veths are re-shaped in
+place (`tc qdisc replace`), unshaped = the qdisc removed. There is no netem in this kernel, and the
+one-way delay option is NOT implemented (--delay-ms > 0 is refused, not ignored).
 
-On the same model (SwarmLM, --table-rows rows per table), data (stdlib corpus), seed, per-peer batch
-and sample budget (--steps x --batch-size x N), one after another:
-  floor        compute only: one `peer.py` alone, no network (also N of them at once, each alone, which
-               is the same CPU contention as the N-peer runs on this machine)
-  swarm        `peer.py` x N, default codec (topk-int8, ratio 0.01)
-  swarm-dense  `peer.py` x N, --compression none (dense fp32 gradient payloads)
-  ddp-sparse   bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
-  ddp-dense    bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
-  hivemind     bench/hivemind_baseline.py x N: hivemind.Optimizer (tables as dense parameters, like
-               ddp-dense), target batch = batch x N, gradients and parameters averaged in groups found
-               through its DHT (peer 0's multiaddr is the initial peer). Runs when `import hivemind`
-               works in --hivemind-python (default: this interpreter; `pip install -e '.[hivemind]'`),
-               otherwise skipped with the reason in the last line's "hivemind" field. That field also
-               says how many epochs were averaged with other peers and flags a run where peers fell
-               back to training alone.
+On the same model (--model: SwarmLM at a preset size), data (stdlib corpus), seed, per-peer batch
+and sample budget (--steps inner steps x --batch-size x N), one after another:
+  floor          compute only: one `peer.py` alone, no network (also N of them at once, each alone,
+                 which is the same CPU contention as the N-peer runs on this machine)
+  swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step
+  swarm-dense    `peer.py` x N, --compression none (dense fp32 payloads every step; not in the default
+                 set: about 12 minutes alone at 8mbit; --only swarm-dense)
+  swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 / 32 --overlap 1 and the LOCAL_STEP table
+                 below (SparseLoCo-ish: topk-int2 at 2%, error feedback decayed 0.95, outer lr 1)
+  swarm-diloco   `peer.py` x N, the swarm's dense DiLoCo: --sync-every 32 --compression none, outer
+                 Nesterov SGD lr 0.7 momentum 0.9 (the DiLoCo paper's recipe; table DILOCO)
+  ddp-sparse     bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
+  ddp-dense      bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
+  torchft-diloco bench/torchft_baseline.py x N: torchft.local_sgd.DiLoCo (H = 32, the same outer
+                 recipe) with torchft.Manager and ProcessGroupGloo, each peer its own replica group,
+                 one lighthouse in peer 0's namespace; tables as dense parameters like ddp-dense.
+                 Runs when torchft imports and a lighthouse starts in --torchft-python (default: this
+                 interpreter), otherwise skipped with the reason in the last line's "torchft" field.
+                 Install it without its dependencies, so that the installed torch stays:
+                     pip install --no-deps torchft==0.2.0
+                     pip install opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+  hivemind       bench/hivemind_baseline.py x N: hivemind.Optimizer (tables as dense parameters, like
+                 ddp-dense), target batch = batch x N, gradients and parameters averaged in groups found
+                 through its DHT (peer 0's multiaddr is the initial peer). Runs when `import hivemind`
+                 works in --hivemind-python (default: this interpreter; `pip install -e '.[hivemind]'`),
+                 otherwise skipped with the reason in the last line's "hivemind" field. That field also
+                 says how many epochs were averaged with other peers and flags a run where peers fell
+                 back to training alone.
+
+Which run at which rate:
+  synchronous baselines (ddp-dense, ddp-sparse, torchft-diloco, hivemind): their loss at step k does
+                 not depend on the link, so each runs its whole budget ONCE, at --sync-full-rate
+                 (default: unshaped links), for its loss curve, val_loss and bytes; at every other rate
+                 it is only timed, --timing-steps (10) steps or --timing-seconds (150 s, at least 3
+                 steps; torchft: one whole sync window of 32 steps), and its curve there is the full
+                 run's losses at the times of that rate (project_curve: (k-1) x its plain step time,
+                 plus, for torchft, the measured extra time of each sync window that ended). The
+                 table says "timed N steps here" for these rows.
+  swarm methods: their whole budget at EVERY rate (they are asynchronous-ish: their loss may depend
+                 on timing). By default only the budget: one that misses the target gets its whole run
+                 as a lower bound on its time (flagged). --extra-steps-factor F lets them run up to F x
+                 the budget (the learning-rate schedule still on the budget, --budget), stopped once
+                 the budget is done and the target reached; val_loss is then the one every peer
+                 evaluated at the budget (--eval-every), so it stays at equal samples.
 
 What is measured (the same way for every method):
-  loss curve   each peer's training loss on the batch of each step, as a running mean over its last
-               10 steps (what `peer.py` prints every step with --progress-interval 0), averaged over
-               the peers at equal step; time of step k = when the LAST peer finished it. Every batch
-               is fresh (seen once, before its update), so this is an unbiased estimate of the loss on
-               the training distribution (the same curve for every method: the DDP baselines have no
-               periodic held-out evaluation, though peer.py now has --eval-every).
-  val_loss     at the end of the budget, on the same val_batches (8 x batch, swarm.data.val_batches),
-               mean over peers.
+  loss curve   each peer's training loss on the batch of each (inner) step, as a running mean over
+               its last 10 steps (what `peer.py` prints every step with --progress-interval 0),
+               averaged over the peers at equal step; time of step k = when the LAST peer finished it.
+               Every batch is fresh (seen once, before its update), so this is an unbiased estimate of
+               the loss on the training distribution, the same curve for every method.
+  val_loss     at the end of the budget (equal samples), on the same val_batches (8 x batch), mean
+               over peers.
   time         wall time from the end of step 1 (every method has formed its group by then).
-  target       the loss every method reaches within the budget: max over methods of the final value
-               of the loss curve, + --margin (or --target).
+  target       the loss dense DDP reaches at the END of its budget: ddp-dense's final running-mean
+               loss (+ --margin, default 0; or --target). Without ddp-dense (--only), the worst final
+               loss of the methods run at the first rate.
   bytes        total bytes each peer's network interface transmitted during the run (all traffic:
-               gradients, table rows, control, TCP/IP headers), mean over peers; the swarm's own
-               per-kind counters are reported too.
+               gradients, table rows, control, TCP/IP headers), mean over peers; bytes per sample =
+               that / the samples the peer trained (inner steps x batch).
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
-  step ratio   swarm step time / contended floor step time, as the median over --step-repeats
-               (default 5) pairs of the two run back to back (the first pair is the runs above; this
+  step ratio   --local-method's step time (wall time per inner step) / the contended floor's, the
+               median over --step-repeats (default 2) pairs per rate of the two run back to back (this
                machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
                much less).
 
+The LAST stdout line (one JSON object) is about ONE local-step configuration (--local-method,
+default swarm-h32, named in "local_step_config"); each of these is {rate: value}:
+  speedup_vs_ddp_time_to_ddp_loss, speedup_vs_sparse_ddp_time_to_ddp_loss,
+  speedup_vs_dense_diloco_time_to_ddp_loss (swarm-diloco), speedup_vs_torchft_diloco_time_to_ddp_loss
+               the baseline's time to the target / ours (> 1: we are faster); "speedup_bounds" names
+               those that are bounds: at_least (the baseline missed the target) or at_most (we did)
+  bytes_per_sample_vs_per_step_swarm   the per-step swarm's bytes per sample / ours (> 1: we send less)
+  val_loss_gap_vs_ddp_at_equal_samples (ours - ddp-dense) / ddp-dense, val_loss at the budget
+  local_step_time_over_compute_floor   see step ratio
+and per rate and method: time_to_ddp_loss_s, time_to_ddp_loss_lower_bound_s, val_loss, bytes_per_sample,
+step_time_s; "by_rate" holds the older per-method figures of each rate; "run_seconds" what each run took.
+
 Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
 
-    sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 60 steps of 16 per peer (~13 min)
-    sudo python3 bench/wan.py --steps 10      # quick look
-    sudo python3 bench/wan.py --only hivemind --only ddp-dense --steps 30
+    sudo python3 bench/wan.py                          # the default set, both rates, 224 steps (see below)
+    sudo python3 bench/wan.py --model big              # 5.1M dense parameters, batch 4
+    sudo python3 bench/wan.py --only ddp-dense --only swarm-h32 --steps 64 --rate 8mbit
 """
 from __future__ import annotations
 
