@@ -58,6 +58,11 @@ class SparseTableLM(SwarmLM):
             setattr(self, name, new)
 
 
+# the table learning rate of a swarm peer on the built-in task: --table-lr, whose default 0 means the
+# task's own (swarm/tasks/bytelm: table_lr=3e-2); the baselines need the number itself
+TABLE_LR = PeerConfig.table_lr or 3e-2
+
+
 def peer_seed(seed: int, peer_id: str) -> int:
     """The data seed a swarm peer with this id uses (swarm.node.Peer._shard)."""
     return (seed * 7919 + int.from_bytes(peer_id.encode()[:8], "little")) % (1 << 32)
@@ -87,7 +92,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's defaults: the same settings
-    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from ddp_baseline import add_model_args, lr_at, model_config, peer_seed  # noqa: E402
+from ddp_baseline import TABLE_LR, add_model_args, lr_at, model_config, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--target-batch-size", type=int, default=None, help="default: batch size x peers")
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's (and the DDP baseline's) defaults
-    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from ddp_baseline import add_model_args, lr_at, model_config, peer_seed  # noqa: E402
+from ddp_baseline import TABLE_LR, add_model_args, lr_at, model_config, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--lr", type=float, default=PeerConfig.lr)
-    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)
