@@ -1291,7 +1291,7 @@ def main() -> int:
                     target, target_from = ddp_target(full) + a.margin, "ddp-dense final running-mean loss"
             elif kind == "timing":
                 H = sync_every_of(m)
-                n = max(2, -(-a.timing_steps // H)) * H if H > 1 else a.timing_steps
+                n = -(-a.timing_steps // H) * H if H > 1 else a.timing_steps  # whole windows
                 min_steps = H if H > 1 else 3
                 res = run_method(wan, a, m, log, n, None, pythons,
                                  enough=lambda c, k=min_steps: timing_done(c, k, a.timing_seconds))
