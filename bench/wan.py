@@ -44,7 +44,7 @@ Which run at which rate:
   synchronous baselines (ddp-dense, ddp-sparse, torchft-diloco, hivemind): their loss at step k does
                  not depend on the link, so each runs its whole budget ONCE, at --sync-full-rate
                  (default: unshaped links), for its loss curve, val_loss and bytes; at every other rate
-                 it is only timed, --timing-steps (10) steps or --timing-seconds (150 s, at least 3
+                 it is only timed, --timing-steps (10) steps or --timing-seconds (100 s, at least 3
                  steps; torchft: one whole sync window of 32 steps), and its curve there is the full
                  run's losses at the times of that rate (project_curve: (k-1) x its plain step time,
                  plus, for torchft, the measured extra time of each sync window that ended). The
@@ -1177,7 +1177,7 @@ def main() -> int:
                          "at every other --rate they are timed for --timing-steps steps")
     ap.add_argument("--timing-steps", type=int, default=10,
                     help="steps a synchronous baseline is timed at a rate (torchft: rounded up to whole sync windows)")
-    ap.add_argument("--timing-seconds", type=float, default=150.0,
+    ap.add_argument("--timing-seconds", type=float, default=100.0,
                     help="a timing run also ends after this many seconds past step 1 once it has 3 steps "
                          "(torchft: one sync window); dense DDP takes about a minute a step at 8mbit")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
