@@ -862,12 +862,14 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
     (--extra-steps-factor), the learning-rate schedule still runs on the budget (--budget), every
     peer evaluates at the budget (--eval-every) for val_loss at equal samples, and the peers are
     stopped (SIGTERM: they finish the step, evaluate and print their summary) as soon as the budget
-    is done and the curve has reached `target`."""
+    is done and the curve has reached `target`. (peer.py's --eval-every and val_history count
+    rounds: a window of H inner steps is one.)"""
     steps = steps or a.steps
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
     extra = ["--min-peers", str(wan.n), *SWARM_FLAGS[name]]
+    rounds = a.steps // sync_every_of(name)  # --eval-every and val_history count rounds (windows)
     if steps > a.steps:
-        extra += ["--budget", str(a.steps), "--eval-every", str(a.steps)]
+        extra += ["--budget", str(a.steps), "--eval-every", str(rounds)]
     port = 7100
     procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, steps, extra)], log=log / f"{name}-{wan.rate}-p0.err")]
     deadline = time.time() + 60
@@ -901,7 +903,7 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "app_bytes_per_peer": int(_mean(app)) if app else None,
            "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
-           "val_loss": val_end if steps <= a.steps else val_at(summaries, a.steps),
+           "val_loss": val_end if steps <= a.steps else val_at(summaries, rounds),
            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
            "sync_every": [s.get("sync_every") for s in summaries],
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],

@@ -327,9 +327,10 @@ def test_reached_and_timing_done():
 
 
 def test_val_at_the_budget_from_the_peers_val_history():
-    summ = [{"val_history": [[0, 5.0], [224, 2.0], [448, 1.5]]}, {"val_history": [[224, 2.2]]}, {}]
-    assert wan.val_at(summ, 224) == pytest.approx(2.1)
-    assert wan.val_at(summ, 100) is None and wan.val_at([], 224) is None
+    # val_history is [[round, val_loss]]: with H = 32, the budget of 224 inner steps is round 7
+    summ = [{"val_history": [[0, 5.0], [7, 2.0], [14, 1.5]]}, {"val_history": [[7, 2.2]]}, {}]
+    assert wan.val_at(summ, 224 // wan.sync_every_of("swarm-h32")) == pytest.approx(2.1)
+    assert wan.val_at(summ, 100) is None and wan.val_at([], 7) is None
 
 
 def test_lower_bounds_and_speedup_kinds():
