@@ -74,7 +74,9 @@ What is measured (the same way for every method):
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
-  step ratio   --local-method's step time (wall time per inner step) / the contended floor's, the
+  step ratio   --local-method's step time (wall time per inner step) / its contended floor's (N peers
+               alone at once with the same flags: its windows, no one to talk to; the plain floor
+               pays a codec round on every step, which a local-step method does not), the
                median over --step-repeats (default 2) pairs per rate of the two run back to back (this
                machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
                much less).
@@ -400,7 +402,7 @@ def model_flags(preset: dict, defaults: dict) -> tuple[list[str], list[str]]:
 def plan(methods: list[str], rates: list[str], full_rate: str | None, local: str | None,
          repeats: int) -> list[tuple[str, str | None, str | None]]:
     """The order of the runs: [(kind, method, rate)]. kind: floor-solo / floor (the contended compute
-    floor), full (a synchronous baseline's whole budget at full_rate, None = unshaped; ddp-dense
+    floor; with a method: N peers alone with that method's flags, the local method's own floor), full (a synchronous baseline's whole budget at full_rate, None = unshaped; ddp-dense
     first, it sets the target), timing (a synchronous baseline timed at a rate where it did not run
     its budget), run (a swarm method's budget at a rate), pair (the local method again, after a
     floor, for the step-time median). At each rate the local method runs right after a floor."""
@@ -412,9 +414,9 @@ def plan(methods: list[str], rates: list[str], full_rate: str | None, local: str
         out += [("timing", m, r) for m in sync if r != full_rate]
         out += [("run", m, r) for m in swarm]
         if local in methods:
-            out += [("floor", None, r), ("run", local, r)]
+            out += [("floor", local, r), ("run", local, r)]
             for _ in range(1, repeats):
-                out += [("floor", None, r), ("pair", local, r)]
+                out += [("floor", local, r), ("pair", local, r)]
     return out
 
 
@@ -541,6 +543,7 @@ def summarize_rates(per_rate: dict[str, dict[str, dict]], local: str, target: fl
     out["local_step_time_over_compute_floor"] = {
         r: round(statistics.median(o / f for f, o in pairs[r]), 3) if pairs.get(r) else None for r in per_rate}
     out["local_step_time_ratios"] = {r: [round(o / f, 3) for f, o in pairs.get(r, [])] for r in per_rate}
+    out["local_floor_step_s"] = {r: [round(f, 4) for f, _ in pairs.get(r, [])] for r in per_rate}
     out["time_to_ddp_loss_s"] = {r: {m: None if run.get("time_to_target_s") is None else round(run["time_to_target_s"], 2)
                                      for m, run in runs.items()} for r, runs in per_rate.items()}
     out["time_to_ddp_loss_lower_bound_s"] = {
@@ -842,10 +845,12 @@ def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> 
             "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags, *extra]
 
 
-def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
-    """k single peers at once, each alone in its namespace on its loopback: compute only."""
-    procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, [])], log=log / f"floor{k}-p{i}.err")
-             for i in range(k)]
+def run_floor(wan: Wan, a, k: int, log: Path, method: str | None = None) -> dict:
+    """k single peers at once, each alone in its namespace on its loopback: compute only. With a
+    swarm method, its flags (a local-step method's floor: its own windows, nobody to talk to)."""
+    flags = SWARM_FLAGS[method] if method else []
+    procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, flags)],
+                  log=log / f"floor{k}{'-' + method if method else ''}-p{i}.err") for i in range(k)]
     curves, vals = [], []
     for p in procs:
         p.wait(a.run_timeout)
@@ -1282,8 +1287,8 @@ def main() -> int:
             if kind == "floor-solo":
                 res = solo = run_floor(wan, a, 1, log)
             elif kind == "floor":
-                res = last_floor = run_floor(wan, a, a.peers, log)
-                if r is None:
+                res = last_floor = run_floor(wan, a, a.peers, log, m)
+                if m is None:
                     floor = res
             elif kind == "full":
                 res = full[m] = run_method(wan, a, m, log, a.steps, None, pythons)

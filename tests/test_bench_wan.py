@@ -273,8 +273,8 @@ def test_plan_runs_sync_baselines_once_and_pairs_the_local_method():
     for r in ("80mbit", "8mbit"):
         at = [(k, m) for k, m, rr in p if rr == r]
         assert at == [("timing", "ddp-dense"), ("timing", "ddp-sparse"), ("timing", "torchft-diloco"),
-                      ("run", "swarm"), ("run", "swarm-diloco"), ("floor", None), ("run", "swarm-h32"),
-                      ("floor", None), ("pair", "swarm-h32")]
+                      ("run", "swarm"), ("run", "swarm-diloco"), ("floor", "swarm-h32"), ("run", "swarm-h32"),
+                      ("floor", "swarm-h32"), ("pair", "swarm-h32")]
     # budget at the first rate: no timing run there
     p = wan.plan(["ddp-dense", "swarm-h32"], ["80mbit", "8mbit"], "80mbit", "swarm-h32", 1)
     assert ("timing", "ddp-dense", "80mbit") not in p and ("timing", "ddp-dense", "8mbit") in p
@@ -382,6 +382,7 @@ def test_summarize_rates_keys_per_rate():
     assert out["val_loss_gap_vs_ddp_at_equal_samples"] == {"80mbit": 0.05, "8mbit": 0.15}
     assert out["local_step_time_over_compute_floor"] == {"80mbit": 1.4, "8mbit": None}
     assert out["local_step_time_ratios"]["80mbit"] == [1.2, 1.5, 1.4]
+    assert out["local_floor_step_s"] == {"80mbit": [0.25, 0.2, 0.25], "8mbit": []}
     assert out["time_to_ddp_loss_lower_bound_s"] == {"80mbit": {}, "8mbit": {"swarm-h32": 20.0}}
     assert out["time_to_ddp_loss_s"]["8mbit"]["swarm-h32"] is None
     assert out["bytes_per_sample"]["80mbit"]["swarm-h32"] == 100
