@@ -396,3 +396,16 @@ def test_probe_torchft_reports_why_not():
     assert version is None and "cannot run" in why
     version, why = wan.probe_torchft(sys.executable, code="import sys; sys.stdout.write('9.9')")
     assert (version, why) == ("9.9", None)
+
+
+def test_the_table_says_which_rows_were_timed_and_which_missed_the_target():
+    import types
+    a = types.SimpleNamespace(batch_size=16)
+    runs = {"ddp-dense": {**_run(100.0, 150.0, 2.0, [9_000_000] * 4), "timing": {"timing_steps": 4}},
+            "swarm-h32": {**_run(None, 20.0, 2.3, [358_400] * 4), "max_steps": 448, "stopped_at_step": None},
+            "swarm": _run(5.0, 20.0, 2.3, [358_400] * 4)}
+    out = wan.table(runs, {"step_time_s": 0.25}, 2.0, a, "8mbit", None)
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert "timed 4 steps here; loss of its budget at unshaped" in rows["ddp-dense"]
+    assert ">= 20.0 (missed)" in rows["swarm-h32"] and "up to 448 steps" in rows["swarm-h32"]
+    assert "its budget here" in rows["swarm"] and "| 5.0 |" in rows["swarm"]
