@@ -50,11 +50,13 @@ Which run at which rate:
                  plus, for torchft, the measured extra time of each sync window that ended). The
                  table says "timed N steps here" for these rows.
   swarm methods: their whole budget at EVERY rate (they are asynchronous-ish: their loss may depend
-                 on timing). By default only the budget: one that misses the target gets its whole run
-                 as a lower bound on its time (flagged). --extra-steps-factor F lets them run up to F x
-                 the budget (the learning-rate schedule still on the budget, --budget), stopped once
-                 the budget is done and the target reached; val_loss is then the one every peer
-                 evaluated at the budget (--eval-every), so it stays at equal samples.
+                 on timing), and then up to --extra-steps-factor (default 1.5) x the budget, rounded
+                 down to whole windows: the learning-rate schedule still runs on the budget (--budget,
+                 then 10% of --lr), the peers are stopped (SIGTERM) as soon as the budget is done and
+                 the target reached, and val_loss is the one every peer evaluated at the budget
+                 (--eval-every), so it stays at equal samples. One that misses the target even so gets
+                 its whole run as a lower bound on its time (flagged; its speedups become "at_most").
+                 --extra-steps-factor 1: the budget only.
 
 What is measured (the same way for every method):
   loss curve   each peer's training loss on the batch of each (inner) step, as a running mean over
@@ -77,7 +79,7 @@ What is measured (the same way for every method):
   step ratio   --local-method's step time (wall time per inner step) / its contended floor's (N peers
                alone at once with the same flags: its windows, no one to talk to; the plain floor
                pays a codec round on every step, which a local-step method does not), the
-               median over --step-repeats (default 2) pairs per rate of the two run back to back (this
+               median over --step-repeats (default 1) pairs per rate of the two run back to back (this
                machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
                much less).
 
@@ -95,9 +97,22 @@ step_time_s; "by_rate" holds the older per-method figures of each rate; "run_sec
 
 Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
 
-    sudo python3 bench/wan.py                          # the default set, both rates, 224 steps (see below)
-    sudo python3 bench/wan.py --model big              # 5.1M dense parameters, batch 4
+    sudo python3 bench/wan.py                          # the default set, both rates, 224 steps (~50 min)
+    sudo python3 bench/wan.py --model big              # 5.1M dense parameters, batch 4 (~80 min, see below)
     sudo python3 bench/wan.py --only ddp-dense --only swarm-h32 --steps 64 --rate 8mbit
+
+Sizing (4 peers on this 2-core machine, small model, seconds per step measured on short runs at
+80mbit / 8mbit; a swarm run adds ~20 s of start, evaluation and linger, a baseline ~10-40 s):
+  floors        solo 0.14, contended 0.25-0.31 (the machine drifts; local-step floor 0.21-0.34)
+  ddp-dense     unshaped 0.59-0.63; 80mbit 6.3-6.6; 8mbit 51-58 (its timing run there ~4-6 min)
+  ddp-sparse    unshaped 0.36; 80mbit 1.4; 8mbit 11.7 (timing run ~4 min)
+  torchft       unshaped 0.48; 80mbit 0.62-0.69 per step over a window; 8mbit 2.2 (a dense sync ~55 s)
+  swarm         0.45-0.47 / 1.13      swarm-h8  0.37 / 0.52
+  swarm-h32     0.35-0.41 / 0.31-0.48 swarm-diloco 0.39-0.41 / 0.48
+With the defaults that is ~47-50 minutes when every swarm method runs its 1.5 x budget. --model big
+(batch 4): contended floor 0.69-0.91, swarm 1.5 / 3.4, swarm-diloco 1.0 / 1.3, swarm-h32 0.60 / 0.62,
+ddp-dense 0.51 unshaped / 5.5 / 51, torchft 0.41 / 0.69 / 2.2 s per step: about 80 minutes with the
+defaults (the per-step swarm at 8mbit alone ~20 min), ~65 with --extra-steps-factor 1.
 """
 from __future__ import annotations
 
@@ -1201,9 +1216,9 @@ def main() -> int:
                     help=f"run only these methods (repeatable; default all but swarm-dense: {', '.join(DEFAULT_METHODS)})")
     ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS if m not in ("swarm", "swarm-dense")],
                     default="swarm-h32", help="the local-step configuration the last line's figures are about")
-    ap.add_argument("--step-repeats", type=int, default=2,
+    ap.add_argument("--step-repeats", type=int, default=1,
                     help="(contended floor, local method) pairs per rate whose median step-time ratio is reported")
-    ap.add_argument("--extra-steps-factor", type=float, default=1.0,
+    ap.add_argument("--extra-steps-factor", type=float, default=1.5,
                     help="swarm methods may run up to this x the budget to reach the target (stopped once reached "
                          "after the budget; val_loss still at the budget); 1: the budget only, a lower bound if missed")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (the time cap)")
