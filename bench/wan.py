@@ -891,14 +891,14 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
     if steps > a.steps:
         extra += ["--budget", str(a.steps), "--eval-every", str(rounds)]
     port = 7100
-    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, steps, extra)], log=log / f"{name}-{wan.rate}-p0.err")]
+    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, steps, extra)], log=log / f"{name}-{wan.rate or 'unshaped'}-p0.err")]
     deadline = time.time() + 60
     while not procs[0].has("listening on") and time.time() < deadline and procs[0].p.poll() is None:
         time.sleep(0.1)
     for i in range(1, wan.n):
         procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, steps,
                                                      [*extra, "--join", f"{wan.ip(0)}:{port}"])],
-                          log=log / f"{name}-{wan.rate}-p{i}.err"))
+                          log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     sampler = TxSampler([p.p.pid for p in procs])
     stopped_at = None
     deadline = time.time() + a.run_timeout
@@ -954,7 +954,7 @@ def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int, enough=None) -> dic
                 "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags]
-        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     return collect_baseline(wan, a, procs, tx0, enough)[0]
 
 
@@ -1014,7 +1014,7 @@ def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -
                 "--averaging-timeout", str(a.hivemind_averaging_timeout),
                 "--average-state-every", str(a.hivemind_average_state_every), *a.base_model_flags, *extra]
 
-    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-{wan.rate}-p0.err")]
+    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-{wan.rate or 'unshaped'}-p0.err")]
     deadline = time.time() + 120
     maddr = None
     while maddr is None and time.time() < deadline and procs[0].p.poll() is None:
@@ -1026,7 +1026,7 @@ def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -
                 **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0,
                 "health": {"warning": "peer 0 printed no multiaddr"}}
     for i in range(1, wan.n):
-        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-{wan.rate}-p{i}.err"))
+        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     out, summaries = collect_baseline(wan, a, procs, tx0, enough)
     return {**out, "health": hivemind_health(summaries, wan.n)}
 
@@ -1058,7 +1058,7 @@ def run_torchft(wan: Wan, a, log: Path, python: str, steps: int, enough=None) ->
     name, script = "torchft-diloco", str(ROOT / "bench" / "torchft_baseline.py")
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
     lh = Proc([*wan.exec(0), python, script, "--serve-lighthouse", "--bind", "0.0.0.0:29510", "--world", str(wan.n)],
-              log=log / f"{name}-{wan.rate}-lighthouse.err")
+              log=log / f"{name}-{wan.rate or 'unshaped'}-lighthouse.err")
     deadline = time.time() + 120
     while not lh.has("lighthouse listening") and time.time() < deadline and lh.p.poll() is None:
         time.sleep(0.1)
@@ -1074,7 +1074,7 @@ def run_torchft(wan: Wan, a, log: Path, python: str, steps: int, enough=None) ->
                 "--outer-momentum", str(TORCHFT["outer_momentum"]), "--batch-size", str(a.batch_size),
                 "--table-rows", str(a.table_rows), "--seed", str(a.seed), "--peer-id", f"p{i}", "--threads", "1",
                 *a.base_model_flags]
-        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate}-p{i}.err"))
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     try:
         out, summaries = collect_baseline(wan, a, procs, tx0, enough)
     finally:
