@@ -58,9 +58,28 @@ class SparseTableLM(SwarmLM):
             setattr(self, name, new)
 
 
+# the table learning rate of a swarm peer on the built-in task: --table-lr, whose default 0 means the
+# task's own (swarm/tasks/bytelm: table_lr=3e-2); the baselines need the number itself
+TABLE_LR = PeerConfig.table_lr or 3e-2
+
+
 def peer_seed(seed: int, peer_id: str) -> int:
     """The data seed a swarm peer with this id uses (swarm.node.Peer._shard)."""
     return (seed * 7919 + int.from_bytes(peer_id.encode()[:8], "little")) % (1 << 32)
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model size flags (the built-in task's --task-arg d_model/layers/heads/context of peer.py)."""
+    ap.add_argument("--d-model", type=int, default=ModelConfig.d_model)
+    ap.add_argument("--layers", type=int, default=ModelConfig.n_layers)
+    ap.add_argument("--heads", type=int, default=ModelConfig.n_heads)
+    ap.add_argument("--context", type=int, default=ModelConfig.context)
+
+
+def model_config(args) -> ModelConfig:
+    """The model a swarm peer of the same size builds, with its tables local (dense parameters)."""
+    return ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, context=args.context,
+                       ngram_rows=args.table_rows, value_rows=args.table_rows, seed=args.seed, local_tables=True)
 
 
 def main() -> None:
@@ -73,17 +92,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's defaults: the same settings
-    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    add_model_args(ap)
     args = ap.parse_args()
     keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison
     torch.set_num_threads(args.threads)
 
     corpus = load_corpus()
-    cfg = ModelConfig(ngram_rows=args.table_rows, value_rows=args.table_rows, seed=args.seed, local_tables=True)
+    cfg = model_config(args)
     model = SparseTableLM(cfg) if args.tables == "sparse" else SwarmLM(cfg)
     sampler = BatchSampler(corpus, args.batch_size, cfg.context,
                            seed=peer_seed(args.seed, args.peer_id or f"p{args.rank}"),

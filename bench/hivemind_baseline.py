@@ -44,11 +44,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from ddp_baseline import lr_at, peer_seed  # noqa: E402
+from ddp_baseline import TABLE_LR, add_model_args, lr_at, model_config, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
-from swarm.tasks.bytelm.model import TABLES, ModelConfig, SwarmLM  # noqa: E402
+from swarm.tasks.bytelm.model import TABLES, SwarmLM  # noqa: E402
 
 _AVERAGED = re.compile(r"Averaged gradients with (\d+) peers")
 _LOCAL = ("Proceeding with local gradients", "Skipped averaging", "Averaging gradients failed")
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--target-batch-size", type=int, default=None, help="default: batch size x peers")
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's (and the DDP baseline's) defaults
-    ap.add_argument("--table-lr", type=float, default=PeerConfig.table_lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-id", default="")
     ap.add_argument("--eval-batches", type=int, default=8)
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--compression", choices=["none", "fp16"], default="none",
                     help="wire format of averaged gradients and parameters (none = fp32, like DDP)")
     ap.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for all peers to appear")
+    add_model_args(ap)
     args = ap.parse_args()
     keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison
     torch.set_num_threads(args.threads)
@@ -163,7 +164,7 @@ def main() -> None:
     print("hivemind listening on " + " ".join(str(a) for a in dht.get_visible_maddrs()), flush=True)
 
     corpus = load_corpus()
-    cfg = ModelConfig(ngram_rows=args.table_rows, value_rows=args.table_rows, seed=args.seed, local_tables=True)
+    cfg = model_config(args)
     model = SwarmLM(cfg)
     sampler = BatchSampler(corpus, args.batch_size, cfg.context,
                            seed=peer_seed(args.seed, args.peer_id or f"p{args.index}"),

@@ -1,58 +1,118 @@
 #!/usr/bin/env python3
-"""Slow-network benchmark: the swarm against torch DDP (gloo) and Hivemind on shaped links, in one run.
+"""Slow-network benchmark: the swarm (per-step and local-step) against torch DDP (gloo), torchft's
+DiLoCo and Hivemind on shaped links, at two link rates, in one run.
 
 Needs root (network namespaces and tc); without root it prints one line saying so and exits 0.
 
 N peers (default 4), each in its own network namespace, joined by veth pairs to a bridge in a hub
 namespace (10.77.0.0/24, addresses exist only inside these namespaces). Every peer's link is shaped
-with `tc tbf` to --rate in both directions (its veth egress = upload, the hub side = download).
-There is no netem in this kernel, and the one-way delay option is NOT implemented (--delay-ms > 0
-is refused, not ignored).
+with `tc tbf` in both directions (its veth egress = upload, the hub side = download), to each
+--rate in turn (default 80mbit ~ 10 MB/s, then 8mbit ~ 1 MB/s): the same veths are re-shaped in
+place (`tc qdisc replace`), unshaped = the qdisc removed. There is no netem in this kernel, and the
+one-way delay option is NOT implemented (--delay-ms > 0 is refused, not ignored).
 
-On the same model (SwarmLM, --table-rows rows per table), data (stdlib corpus), seed, per-peer batch
-and sample budget (--steps x --batch-size x N), one after another:
-  floor        compute only: one `peer.py` alone, no network (also N of them at once, each alone, which
-               is the same CPU contention as the N-peer runs on this machine)
-  swarm        `peer.py` x N, default codec (topk-int8, ratio 0.01)
-  swarm-dense  `peer.py` x N, --compression none (dense fp32 gradient payloads)
-  ddp-sparse   bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
-  ddp-dense    bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
-  hivemind     bench/hivemind_baseline.py x N: hivemind.Optimizer (tables as dense parameters, like
-               ddp-dense), target batch = batch x N, gradients and parameters averaged in groups found
-               through its DHT (peer 0's multiaddr is the initial peer). Runs when `import hivemind`
-               works in --hivemind-python (default: this interpreter; `pip install -e '.[hivemind]'`),
-               otherwise skipped with the reason in the last line's "hivemind" field. That field also
-               says how many epochs were averaged with other peers and flags a run where peers fell
-               back to training alone.
+On the same model (--model: SwarmLM at a preset size), data (stdlib corpus), seed, per-peer batch
+and sample budget (--steps inner steps x --batch-size x N), one after another:
+  floor          compute only: one `peer.py` alone, no network (also N of them at once, each alone,
+                 which is the same CPU contention as the N-peer runs on this machine)
+  swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step
+  swarm-dense    `peer.py` x N, --compression none (dense fp32 payloads every step; not in the default
+                 set: about 12 minutes alone at 8mbit; --only swarm-dense)
+  swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 / 32 --overlap 1 and the LOCAL_STEP table
+                 below (SparseLoCo-ish: topk-int2 at 2%, error feedback decayed 0.95, outer lr 1)
+  swarm-diloco   `peer.py` x N, the swarm's dense DiLoCo: --sync-every 32 --compression none, outer
+                 Nesterov SGD lr 0.7 momentum 0.9 (the DiLoCo paper's recipe; table DILOCO)
+  ddp-sparse     bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
+  ddp-dense      bench/ddp_baseline.py x N: DDP-gloo, tables as dense parameters (dense all-reduce)
+  torchft-diloco bench/torchft_baseline.py x N: torchft.local_sgd.DiLoCo (H = 32, the same outer
+                 recipe) with torchft.Manager and ProcessGroupGloo, each peer its own replica group,
+                 one lighthouse in peer 0's namespace; tables as dense parameters like ddp-dense.
+                 Runs when torchft imports and a lighthouse starts in --torchft-python (default: this
+                 interpreter), otherwise skipped with the reason in the last line's "torchft" field.
+                 Install it without its dependencies, so that the installed torch stays:
+                     pip install --no-deps torchft==0.2.0
+                     pip install opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+  hivemind       bench/hivemind_baseline.py x N: hivemind.Optimizer (tables as dense parameters, like
+                 ddp-dense), target batch = batch x N, gradients and parameters averaged in groups found
+                 through its DHT (peer 0's multiaddr is the initial peer). Runs when `import hivemind`
+                 works in --hivemind-python (default: this interpreter; `pip install -e '.[hivemind]'`),
+                 otherwise skipped with the reason in the last line's "hivemind" field. That field also
+                 says how many epochs were averaged with other peers and flags a run where peers fell
+                 back to training alone.
+
+Which run at which rate:
+  synchronous baselines (ddp-dense, ddp-sparse, torchft-diloco, hivemind): their loss at step k does
+                 not depend on the link, so each runs its whole budget ONCE, at --sync-full-rate
+                 (default: unshaped links), for its loss curve, val_loss and bytes; at every other rate
+                 it is only timed, --timing-steps (10) steps or --timing-seconds (100 s, at least 3
+                 steps; torchft: one whole sync window of 32 steps), and its curve there is the full
+                 run's losses at the times of that rate (project_curve: (k-1) x its plain step time,
+                 plus, for torchft, the measured extra time of each sync window that ended). The
+                 table says "timed N steps here" for these rows.
+  swarm methods: their whole budget at EVERY rate (they are asynchronous-ish: their loss may depend
+                 on timing), and then up to --extra-steps-factor (default 1.5) x the budget, rounded
+                 down to whole windows: the learning-rate schedule still runs on the budget (--budget,
+                 then 10% of --lr), the peers are stopped (SIGTERM) as soon as the budget is done and
+                 the target reached, and val_loss is the one every peer evaluated at the budget
+                 (--eval-every), so it stays at equal samples. One that misses the target even so gets
+                 its whole run as a lower bound on its time (flagged; its speedups become "at_most").
+                 --extra-steps-factor 1: the budget only.
 
 What is measured (the same way for every method):
-  loss curve   each peer's training loss on the batch of each step, as a running mean over its last
-               10 steps (what `peer.py` prints every step with --progress-interval 0), averaged over
-               the peers at equal step; time of step k = when the LAST peer finished it. Every batch
-               is fresh (seen once, before its update), so this is an unbiased estimate of the loss on
-               the training distribution (the same curve for every method: the DDP baselines have no
-               periodic held-out evaluation, though peer.py now has --eval-every).
-  val_loss     at the end of the budget, on the same val_batches (8 x batch, swarm.data.val_batches),
-               mean over peers.
+  loss curve   each peer's training loss on the batch of each (inner) step, as a running mean over
+               its last 10 steps (what `peer.py` prints every step with --progress-interval 0),
+               averaged over the peers at equal step; time of step k = when the LAST peer finished it.
+               Every batch is fresh (seen once, before its update), so this is an unbiased estimate of
+               the loss on the training distribution, the same curve for every method.
+  val_loss     at the end of the budget (equal samples), on the same val_batches (8 x batch), mean
+               over peers.
   time         wall time from the end of step 1 (every method has formed its group by then).
-  target       the loss every method reaches within the budget: max over methods of the final value
-               of the loss curve, + --margin (or --target).
+  target       the loss dense DDP reaches at the END of its budget: ddp-dense's final running-mean
+               loss (+ --margin, default 0; or --target). Without ddp-dense (--only), the worst final
+               loss of the methods run at the first rate.
   bytes        total bytes each peer's network interface transmitted during the run (all traffic:
-               gradients, table rows, control, TCP/IP headers), mean over peers; the swarm's own
-               per-kind counters are reported too.
+               gradients, table rows, control, TCP/IP headers), mean over peers; bytes per sample =
+               that / the samples the peer trained (inner steps x batch).
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
-  step ratio   swarm step time / contended floor step time, as the median over --step-repeats
-               (default 5) pairs of the two run back to back (the first pair is the runs above; this
+  step ratio   --local-method's step time (wall time per inner step) / its contended floor's (N peers
+               alone at once with the same flags: its windows, no one to talk to; the plain floor
+               pays a codec round on every step, which a local-step method does not), the
+               median over --step-repeats (default 1) pairs per rate of the two run back to back (this
                machine's speed drifts by +-10% from one minute to the next, the ratio within a pair
                much less).
 
+The LAST stdout line (one JSON object) is about ONE local-step configuration (--local-method,
+default swarm-h32, named in "local_step_config"); each of these is {rate: value}:
+  speedup_vs_ddp_time_to_ddp_loss, speedup_vs_sparse_ddp_time_to_ddp_loss,
+  speedup_vs_dense_diloco_time_to_ddp_loss (swarm-diloco), speedup_vs_torchft_diloco_time_to_ddp_loss
+               the baseline's time to the target / ours (> 1: we are faster); "speedup_bounds" names
+               those that are bounds: at_least (the baseline missed the target) or at_most (we did)
+  bytes_per_sample_vs_per_step_swarm   the per-step swarm's bytes per sample / ours (> 1: we send less)
+  val_loss_gap_vs_ddp_at_equal_samples (ours - ddp-dense) / ddp-dense, val_loss at the budget
+  local_step_time_over_compute_floor   see step ratio
+and per rate and method: time_to_ddp_loss_s, time_to_ddp_loss_lower_bound_s, val_loss, bytes_per_sample,
+step_time_s; "by_rate" holds the older per-method figures of each rate; "run_seconds" what each run took.
+
 Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one JSON object.
 
-    sudo python3 bench/wan.py                 # 4 peers, 80 Mbit/s, 60 steps of 16 per peer (~13 min)
-    sudo python3 bench/wan.py --steps 10      # quick look
-    sudo python3 bench/wan.py --only hivemind --only ddp-dense --steps 30
+    sudo python3 bench/wan.py                          # the default set, both rates, 224 steps (~50 min)
+    sudo python3 bench/wan.py --model big              # 5.1M dense parameters, batch 4 (~80 min, see below)
+    sudo python3 bench/wan.py --only ddp-dense --only swarm-h32 --steps 64 --rate 8mbit
+
+Sizing (4 peers on this 2-core machine, small model, seconds per step measured on short runs at
+80mbit / 8mbit; a swarm run adds ~20 s of start, evaluation and linger, a baseline ~10-40 s):
+  floors        solo 0.14, contended 0.25-0.31 (the machine drifts; local-step floor 0.21-0.34)
+  ddp-dense     unshaped 0.59-0.63; 80mbit 6.3-6.6; 8mbit 51-58 (its timing run there ~4-6 min)
+  ddp-sparse    unshaped 0.36; 80mbit 1.4; 8mbit 11.7 (timing run ~4 min)
+  torchft       unshaped 0.48; 80mbit 0.62-0.69 per step over a window; 8mbit 2.2 (a dense sync ~55 s)
+  swarm         0.45-0.47 / 1.13      swarm-h8  0.37 / 0.52
+  swarm-h32     0.35-0.41 / 0.31-0.48 swarm-diloco 0.39-0.41 / 0.48
+With the defaults that is ~47-50 minutes when every swarm method runs its 1.5 x budget. --model big
+(batch 4): contended floor 0.69-0.91, swarm 1.5 / 3.4, swarm-diloco 1.0 / 1.3, swarm-h32 0.60 / 0.62,
+ddp-dense 0.51 unshaped / 5.5 / 51, torchft 0.41 / 0.69 / 2.2 s per step: about 80 minutes with the
+defaults (the per-step swarm at 8mbit alone ~20 min), ~65 with --extra-steps-factor 1.
 """
 from __future__ import annotations
 
@@ -71,7 +131,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-dense", "ddp-sparse", "ddp-dense", "hivemind")
+METHODS = ("swarm", "swarm-dense", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse", "ddp-dense",
+           "torchft-diloco", "hivemind")
+# run without --only: all but swarm-dense (dense fp32 payloads every step: ~12 min alone at 8mbit)
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "swarm-dense")
+# synchronous baselines: their loss at step k does not depend on the link, so they run their budget
+# once (--sync-full-rate, default unshaped) and are only timed (--timing-steps) at each rate
+SYNC_METHODS = ("ddp-dense", "ddp-sparse", "torchft-diloco", "hivemind")
+
+# The settings of the swarm's local-step methods (swarm-h8, swarm-h32: H inner steps, then one
+# compressed pseudo-gradient round that travels while the next window computes). SparseLoCo-ish:
+# 2-bit Top-K at 2% density with decaying error feedback as the outer momentum, plain outer step.
+LOCAL_STEP = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "outer_lr": 1.0, "overlap": True}
+# swarm-diloco: the swarm's own dense DiLoCo, the DiLoCo paper's recipe (H = 32, outer Nesterov SGD)
+DILOCO = {"compression": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+# torchft-diloco (bench/torchft_baseline.py): the same recipe in torchft.local_sgd.DiLoCo
+TORCHFT = {"sync_every": 32, "outer_lr": 0.7, "outer_momentum": 0.9}
+
+# --model: one model size per invocation. big: >= 5M dense parameters (5.1M) and small tables, so
+# that the dense gradient dominates the bytes; a smaller batch keeps its step time near small's.
+MODELS = {
+    "small": {"d_model": 128, "layers": 2, "heads": 4, "context": 128, "table_rows": 32768, "batch_size": 16},
+    "big": {"d_model": 320, "layers": 4, "heads": 4, "context": 128, "table_rows": 4096, "batch_size": 4},
+}
 
 # ----------------------------------------------------------------------------- pure parts (tested)
 
@@ -275,6 +357,222 @@ def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
     return round(max(0.0, 1.0 - floor_s / step_s), 3)
 
 
+# ----------------------------------------------------------------------------- methods, budgets, rates (tested)
+
+
+def local_flags(settings: dict, sync_every: int) -> list[str]:
+    """peer.py flags of a local-step method: --sync-every H, then its settings (LOCAL_STEP, DILOCO):
+    a key becomes `--key value`, a True switch (outer_nesterov, overlap) `--key 1`, a False one nothing."""
+    out = ["--sync-every", str(sync_every)]
+    for key, v in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(v, bool):
+            out += [flag, "1"] if v else []
+        elif v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+SWARM_FLAGS = {
+    "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step
+    "swarm-dense": ["--compression", "none"],
+    "swarm-h8": local_flags(LOCAL_STEP, 8),
+    "swarm-h32": local_flags(LOCAL_STEP, 32),
+    "swarm-diloco": local_flags(DILOCO, 32),
+}
+
+
+def sync_every_of(method: str) -> int:
+    """H of a method: inner steps per round (1 for the per-step ones)."""
+    if method == "torchft-diloco":
+        return int(TORCHFT["sync_every"])
+    flags = SWARM_FLAGS.get(method, [])
+    return int(flags[flags.index("--sync-every") + 1]) if "--sync-every" in flags else 1
+
+
+def check_budget(steps: int, methods: list[str]) -> str | None:
+    """None when every method's H divides the budget (peer.py and torchft need it), else why not."""
+    bad = [f"{m} (H={sync_every_of(m)})" for m in methods if steps % sync_every_of(m)]
+    return f"--steps {steps} is not a multiple of the sync period of {', '.join(bad)}" if bad else None
+
+
+def extended_steps(budget: int, factor: float, sync_every: int) -> int:
+    """The most inner steps a swarm method may run with --extra-steps-factor: budget x factor, rounded
+    down to a multiple of its H (at least the budget)."""
+    return max(budget, int(budget * factor) // sync_every * sync_every)
+
+
+def model_flags(preset: dict, defaults: dict) -> tuple[list[str], list[str]]:
+    """(peer.py flags, bench/*_baseline.py flags) of a model preset's size; the peer gets a size only
+    where it differs from the built-in task's default (so the small model runs exactly as before)."""
+    peer, base = [], []
+    for key, task_arg, flag in (("d_model", "d_model", "--d-model"), ("layers", "layers", "--layers"),
+                                ("heads", "heads", "--heads"), ("context", "context", "--context")):
+        if preset[key] != defaults[key]:
+            peer += ["--task-arg", f"{task_arg}={preset[key]}"]
+            base += [flag, str(preset[key])]
+    return peer, base
+
+
+def plan(methods: list[str], rates: list[str], full_rate: str | None, local: str | None,
+         repeats: int) -> list[tuple[str, str | None, str | None]]:
+    """The order of the runs: [(kind, method, rate)]. kind: floor-solo / floor (the contended compute
+    floor; with a method: N peers alone with that method's flags, the local method's own floor), full (a synchronous baseline's whole budget at full_rate, None = unshaped; ddp-dense
+    first, it sets the target), timing (a synchronous baseline timed at a rate where it did not run
+    its budget), run (a swarm method's budget at a rate), pair (the local method again, after a
+    floor, for the step-time median). At each rate the local method runs right after a floor."""
+    sync = sorted((m for m in methods if m in SYNC_METHODS), key=lambda m: m != "ddp-dense")
+    swarm = [m for m in methods if m in SWARM_FLAGS and m != local]
+    out: list[tuple[str, str | None, str | None]] = [("floor-solo", None, None), ("floor", None, None)]
+    out += [("full", m, full_rate) for m in sync]
+    for r in rates:
+        out += [("timing", m, r) for m in sync if r != full_rate]
+        out += [("run", m, r) for m in swarm]
+        if local in methods:
+            out += [("floor", local, r), ("run", local, r)]
+            for _ in range(1, repeats):
+                out += [("floor", local, r), ("pair", local, r)]
+    return out
+
+
+def project_curve(full: list[tuple[int, float, float]], timing: list[tuple[int, float, float]],
+                  sync_every: int = 1) -> tuple[list[tuple[int, float, float]], dict]:
+    """A synchronous baseline's curve at another link rate: its loss at step k does not depend on the
+    link, its time does. From a short run at that rate (``timing``): the plain step time p (the mean
+    step time for H = 1; the median of the intervals that end no sync window for H > 1) and the extra
+    seconds x of a step that ends one (its mean interval - p). Step k of the full run then ends
+    (k - 1) p + (windows ended in steps 2..k) x after step 1."""
+    info: dict = {"timing_steps": timing[-1][0] if timing else 0}
+    if len(timing) < 2:
+        return [], {**info, "error": "the timing run gave fewer than 2 steps"}
+    gaps = [(b[0], (b[1] - a[1]) / (b[0] - a[0])) for a, b in zip(timing, timing[1:])]
+    if sync_every <= 1:
+        p, x = step_time(timing), 0.0
+    else:
+        plain = [g for s, g in gaps if s % sync_every]
+        ends = [g for s, g in gaps if s % sync_every == 0]
+        p = statistics.median(plain) if plain else step_time(timing)
+        x = max(0.0, statistics.mean(ends) - p) if ends else 0.0
+        if not ends:
+            info["warning"] = f"the timing run ended no sync window (H={sync_every}): sync time unknown"
+    info.update(plain_step_s=round(p, 4), sync_extra_s=round(x, 4), sync_every=sync_every)
+    if not full:
+        return [], info
+    k0, t0 = full[0][0], full[0][1]
+
+    def windows(k: int) -> int:
+        return k // sync_every - k0 // sync_every if sync_every > 1 else 0
+
+    return [(k, t0 + (k - k0) * p + windows(k) * x, loss) for k, _, loss in full], info
+
+
+def timing_done(curve: list[tuple[int, float, float]], min_steps: int, cap_s: float) -> bool:
+    """Has a timing run seen enough: at least `min_steps` steps (for H > 1 a whole sync window) and
+    `cap_s` seconds since step 1? (At 8mbit a dense DDP step takes about a minute.)"""
+    return len(curve) >= 3 and curve[-1][0] >= min_steps and curve[-1][1] - curve[0][1] >= cap_s
+
+
+def ddp_target(runs: dict[str, dict]) -> float | None:
+    """The target loss: the final running-mean training loss of dense DDP at the end of its budget."""
+    c = (runs.get("ddp-dense") or {}).get("curve") or []
+    return c[-1][2] if c else None
+
+
+def reached(curve: list[tuple[int, float, float]], budget: int, target: float | None) -> bool:
+    """Can a run with an extended budget stop: the budget is done and the target was reached."""
+    return bool(curve) and target is not None and curve[-1][0] >= budget and any(l <= target for _, _, l in curve)
+
+
+def val_at(summaries: list[dict], step: int) -> float | None:
+    """Mean over peers of the val_loss each evaluated at `step` (peer.py's val_history, --eval-every)."""
+    vals = [v for s in summaries for st, v in (s.get("val_history") or []) if st == step]
+    return sum(vals) / len(vals) if vals else None
+
+
+def time_or_bound(run: dict | None) -> tuple[float | None, bool]:
+    """(seconds to the target, False), or (its whole run, True: a lower bound) when it missed it."""
+    if not run:
+        return None, False
+    if run.get("time_to_target_s") is not None:
+        return run["time_to_target_s"], False
+    return elapsed(run.get("curve") or []), True
+
+
+def speedup(base: dict | None, ours: dict | None) -> tuple[float | None, str | None]:
+    """Baseline's time to the target / ours (> 1: we are faster) and what it is: "exact",
+    "at_least" (the baseline missed the target: its time is a lower bound), "at_most" (we missed
+    it); (None, None) when both missed it or a time is unknown."""
+    tb, lb = time_or_bound(base)
+    to, lo = time_or_bound(ours)
+    if tb is None or to is None or (lb and lo):
+        return None, None
+    return ratio(tb, to), "at_least" if lb else "at_most" if lo else "exact"
+
+
+def bytes_per_sample(run: dict | None, batch: int) -> float | None:
+    """All bytes a peer's interface sent during the run / the samples that peer trained (mean over
+    peers; samples = inner steps done x batch)."""
+    if not run or not run.get("steps") or not run.get("tx_bytes_run"):
+        return None
+    tx = run["tx_bytes_run"]
+    return sum(tx) / len(tx) / (run["steps"] * batch)
+
+
+def gap(ours: float | None, base: float | None) -> float | None:
+    if ours is None or base is None or base == 0:
+        return None
+    return round((ours - base) / base, 4)
+
+
+SPEEDUP_KEYS = {"ddp-dense": "speedup_vs_ddp_time_to_ddp_loss",
+                "ddp-sparse": "speedup_vs_sparse_ddp_time_to_ddp_loss",
+                "swarm-diloco": "speedup_vs_dense_diloco_time_to_ddp_loss",
+                "torchft-diloco": "speedup_vs_torchft_diloco_time_to_ddp_loss"}
+
+
+def summarize_rates(per_rate: dict[str, dict[str, dict]], local: str, target: float | None,
+                    pairs: dict[str, list[tuple[float, float]]], batch: int) -> dict:
+    """The local-step figures of the last line, each {rate: value}: speedups in time to dense DDP's
+    final loss (with `speedup_bounds` saying which are bounds), bytes per sample of the per-step swarm
+    over ours, the val_loss gap to dense DDP at equal samples, our step time over the contended
+    floor's (median over the rate's back-to-back pairs); and per rate and method the times to the
+    target (or the lower bounds of those that missed it), val_loss, bytes per sample, step time."""
+    out: dict = {"local_step_config": {"method": local, "sync_every": sync_every_of(local),
+                                       "peer_flags": SWARM_FLAGS.get(local, [])},
+                 "target_loss": None if target is None else round(target, 4)}
+    bounds: dict[str, dict[str, str]] = {}
+    for base, key in SPEEDUP_KEYS.items():
+        out[key] = {}
+        for rate, runs in per_rate.items():
+            v, kind = speedup(runs.get(base), runs.get(local))
+            out[key][rate] = v
+            if kind not in (None, "exact"):
+                bounds.setdefault(key, {})[rate] = kind
+    out["speedup_bounds"] = bounds
+    out["bytes_per_sample_vs_per_step_swarm"] = {
+        r: ratio(bytes_per_sample(runs.get("swarm"), batch), bytes_per_sample(runs.get(local), batch))
+        for r, runs in per_rate.items()}
+    out["val_loss_gap_vs_ddp_at_equal_samples"] = {
+        r: gap((runs.get(local) or {}).get("val_loss"), (runs.get("ddp-dense") or {}).get("val_loss"))
+        for r, runs in per_rate.items()}
+    out["local_step_time_over_compute_floor"] = {
+        r: round(statistics.median(o / f for f, o in pairs[r]), 3) if pairs.get(r) else None for r in per_rate}
+    out["local_step_time_ratios"] = {r: [round(o / f, 3) for f, o in pairs.get(r, [])] for r in per_rate}
+    out["local_floor_step_s"] = {r: [round(f, 4) for f, _ in pairs.get(r, [])] for r in per_rate}
+    out["time_to_ddp_loss_s"] = {r: {m: None if run.get("time_to_target_s") is None else round(run["time_to_target_s"], 2)
+                                     for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["time_to_ddp_loss_lower_bound_s"] = {
+        r: {m: round(t, 2) for m, run in runs.items() for t, lb in [time_or_bound(run)] if lb and t is not None}
+        for r, runs in per_rate.items()}
+    out["val_loss"] = {r: {m: None if run.get("val_loss") is None else round(run["val_loss"], 4)
+                           for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["bytes_per_sample"] = {r: {m: None if (b := bytes_per_sample(run, batch)) is None else int(b)
+                                   for m, run in runs.items()} for r, runs in per_rate.items()}
+    out["step_time_s"] = {r: {m: None if run.get("step_time_s") is None else round(run["step_time_s"], 4)
+                              for m, run in runs.items()} for r, runs in per_rate.items()}
+    return out
+
+
 def parse_stat(text: str) -> tuple[int, int, int, int] | None:
     """/proc/PID/stat -> (ppid, pgid, sid, start time in ticks); None if malformed. The command name
     (field 2) may hold spaces and parentheses, so fields are counted after its LAST ')'."""
@@ -442,7 +740,7 @@ def sh(*cmd: str, check: bool = True) -> str:
 class Wan:
     """Hub namespace with a bridge; one namespace per peer with `wan0` = 10.77.0.(i+1)/24, shaped."""
 
-    def __init__(self, n: int, rate: str, tag: str):
+    def __init__(self, n: int, rate: str | None, tag: str):
         self.n, self.rate, self.tag = n, rate, tag
         self.hub = f"{tag}-hub"
         self.ns = [f"{tag}-p{i}" for i in range(n)]
@@ -463,9 +761,19 @@ class Wan:
             sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "wan0")
             sh("ip", "-n", ns, "link", "set", "wan0", "up")
+        self.shape(self.rate)
+
+    def shape(self, rate: str | None) -> None:
+        """Every link shaped to `rate` (tbf, each direction: the peer's veth egress = upload, the hub
+        side = download), re-shaping the existing veths in place; None: unshaped."""
+        for i, ns in enumerate(self.ns):
             for where, dev in ((ns, "wan0"), (self.hub, f"vp{i}")):  # upload, download
-                sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", self.rate, "burst", "64kb", "latency", "50ms")
+                if rate is None:
+                    sh("ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                else:
+                    sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                       "rate", rate, "burst", "64kb", "latency", "50ms")
+        self.rate = rate
 
     def down(self) -> None:
         for ns in [*self.ns, self.hub]:
@@ -549,13 +857,15 @@ PY = [sys.executable]
 def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> list[str]:
     return [*PY, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(steps),
             "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *extra]
+            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags, *extra]
 
 
-def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
-    """k single peers at once, each alone in its namespace on its loopback: compute only."""
-    procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, [])], log=log / f"floor{k}-p{i}.err")
-             for i in range(k)]
+def run_floor(wan: Wan, a, k: int, log: Path, method: str | None = None) -> dict:
+    """k single peers at once, each alone in its namespace on its loopback: compute only. With a
+    swarm method, its flags (a local-step method's floor: its own windows, nobody to talk to)."""
+    flags = SWARM_FLAGS[method] if method else []
+    procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, flags)],
+                  log=log / f"floor{k}{'-' + method if method else ''}-p{i}.err") for i in range(k)]
     curves, vals = [], []
     for p in procs:
         p.wait(a.run_timeout)
@@ -567,35 +877,60 @@ def run_floor(wan: Wan, a, k: int, log: Path) -> dict:
             "val_loss": _mean([v for v in vals if v is not None])}
 
 
-def run_swarm(wan: Wan, a, compression: str, log: Path) -> dict:
-    name = "swarm" if compression != "none" else "swarm-dense"
+def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, target: float | None = None) -> dict:
+    """peer.py x N with the method's flags (SWARM_FLAGS), peer 0 first. With steps beyond the budget
+    (--extra-steps-factor), the learning-rate schedule still runs on the budget (--budget), every
+    peer evaluates at the budget (--eval-every) for val_loss at equal samples, and the peers are
+    stopped (SIGTERM: they finish the step, evaluate and print their summary) as soon as the budget
+    is done and the curve has reached `target`. (peer.py's --eval-every and val_history count
+    rounds: a window of H inner steps is one.)"""
+    steps = steps or a.steps
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
-    extra = ["--min-peers", str(wan.n), "--compression", compression]
+    extra = ["--min-peers", str(wan.n), *SWARM_FLAGS[name]]
+    rounds = a.steps // sync_every_of(name)  # --eval-every and val_history count rounds (windows)
+    if steps > a.steps:
+        extra += ["--budget", str(a.steps), "--eval-every", str(rounds)]
     port = 7100
-    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, a.steps, extra)], log=log / f"{name}-p0.err")]
+    procs = [Proc([*wan.exec(0), *peer_argv(a, 0, wan.ip(0), port, steps, extra)], log=log / f"{name}-{wan.rate or 'unshaped'}-p0.err")]
     deadline = time.time() + 60
     while not procs[0].has("listening on") and time.time() < deadline and procs[0].p.poll() is None:
         time.sleep(0.1)
     for i in range(1, wan.n):
-        procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, a.steps,
+        procs.append(Proc([*wan.exec(i), *peer_argv(a, i, wan.ip(i), port, steps,
                                                      [*extra, "--join", f"{wan.ip(0)}:{port}"])],
-                          log=log / f"{name}-p{i}.err"))
+                          log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     sampler = TxSampler([p.p.pid for p in procs])
-    codes = [p.wait(a.run_timeout) for p in procs]
+    stopped_at = None
+    deadline = time.time() + a.run_timeout
+    if steps > a.steps:
+        while any(p.p.poll() is None for p in procs) and time.time() < deadline:
+            curve = merge_curves([parse_peer_lines(list(p.lines))[0] for p in procs])
+            if stopped_at is None and reached(curve, a.steps, target):
+                stopped_at = curve[-1][0]
+                for p in procs:
+                    if p.p.poll() is None:
+                        p.p.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+    codes = [p.wait(max(1.0, deadline - time.time())) for p in procs]
     samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_peer_lines(p.lines) for p in procs]
     curve = merge_curves([pts for pts, _ in parsed])
     summaries = [s for _, s in parsed if s]
     app = [s.get("bytes_sent", 0) + s.get("control_bytes_sent", 0) + s.get("row_bytes_sent", 0) for s in summaries]
-    return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
-            "app_bytes_per_peer": int(_mean(app)) if app else None,
-            "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
-            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
-            "val_loss": _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None]),
-            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
-            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
-            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+    val_end = _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None])
+    out = {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
+           "app_bytes_per_peer": int(_mean(app)) if app else None,
+           "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
+           "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
+           "val_loss": val_end if steps <= a.steps else val_at(summaries, rounds),
+           "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
+           "sync_every": [s.get("sync_every") for s in summaries],
+           "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
+           "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+    if steps > a.steps:
+        out.update(max_steps=steps, stopped_at_step=stopped_at, val_loss_at_end=val_end)
+    return out
 
 
 def mean_phases(reports: list[dict]) -> dict[str, float] | None:
@@ -610,24 +945,34 @@ def mean_phases(reports: list[dict]) -> dict[str, float] | None:
     return out
 
 
-def run_ddp(wan: Wan, a, tables: str, log: Path) -> dict:
+def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int, enough=None) -> dict:
     name = f"ddp-{tables}"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
     procs = []
     for i in range(wan.n):
         argv = [*wan.exec(i), *PY, str(ROOT / "bench" / "ddp_baseline.py"), "--rank", str(i), "--world", str(wan.n),
-                "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(a.steps),
+                "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-                "--peer-id", f"p{i}", "--threads", "1"]
-        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-p{i}.err"))
-    return collect_baseline(wan, a, procs, tx0)[0]
+                "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags]
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
+    return collect_baseline(wan, a, procs, tx0, enough)[0]
 
 
-def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int]) -> tuple[dict, list[dict]]:
-    """Wait for a baseline's ranks (bench/ddp_baseline.py or bench/hivemind_baseline.py, the same
-    output format) and measure them like any method; also returns their summaries."""
+def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int],
+                     enough=None) -> tuple[dict, list[dict]]:
+    """Wait for a baseline's ranks (bench/ddp_baseline.py, bench/hivemind_baseline.py or
+    bench/torchft_baseline.py, the same output format) and measure them like any method; also
+    returns their summaries. ``enough(curve)``: end the run (kill it) once true, a timing run."""
     sampler = TxSampler([p.p.pid for p in procs])
-    codes = [p.wait(a.run_timeout) for p in procs]
+    deadline = time.time() + a.run_timeout
+    while enough is not None and any(p.p.poll() is None for p in procs) and time.time() < deadline:
+        curve = merge_curves([parse_ddp_lines([line for _, line in list(p.lines)])[0] for p in procs])
+        if enough(curve):
+            for p in procs:
+                kill(p.p)
+            break
+        time.sleep(0.5)
+    codes = [p.wait(max(1.0, deadline - time.time())) for p in procs]
     samples = sampler.stop()
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_ddp_lines([line for _, line in p.lines]) for p in procs]
@@ -654,7 +999,7 @@ def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, s
     return r.stdout.strip(), None
 
 
-def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
+def run_hivemind(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -> dict:
     """bench/hivemind_baseline.py x N, peer 0 first; the others join its DHT at its multiaddr."""
     name = "hivemind"
     tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
@@ -662,14 +1007,14 @@ def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
 
     def argv(i: int, extra: list[str]) -> list[str]:
         return [*wan.exec(i), python, str(ROOT / "bench" / "hivemind_baseline.py"), "--index", str(i),
-                "--peers", str(wan.n), "--host", wan.ip(i), "--port", str(7300 + i), "--steps", str(a.steps),
+                "--peers", str(wan.n), "--host", wan.ip(i), "--port", str(7300 + i), "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
                 "--peer-id", f"p{i}", "--threads", "1", "--run-id", f"swarm_wan_{os.getpid()}",
                 "--matchmaking-time", str(a.hivemind_matchmaking_time),
                 "--averaging-timeout", str(a.hivemind_averaging_timeout),
-                "--average-state-every", str(a.hivemind_average_state_every), *extra]
+                "--average-state-every", str(a.hivemind_average_state_every), *a.base_model_flags, *extra]
 
-    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-p0.err")]
+    procs = [Proc(argv(0, []), env=env, log=log / f"{name}-{wan.rate or 'unshaped'}-p0.err")]
     deadline = time.time() + 120
     maddr = None
     while maddr is None and time.time() < deadline and procs[0].p.poll() is None:
@@ -681,9 +1026,61 @@ def run_hivemind(wan: Wan, a, log: Path, python: str) -> dict:
                 **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0,
                 "health": {"warning": "peer 0 printed no multiaddr"}}
     for i in range(1, wan.n):
-        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-p{i}.err"))
-    out, summaries = collect_baseline(wan, a, procs, tx0)
+        procs.append(Proc(argv(i, ["--initial-peer", maddr]), env=env, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
+    out, summaries = collect_baseline(wan, a, procs, tx0, enough)
     return {**out, "health": hivemind_health(summaries, wan.n)}
+
+
+TORCHFT_PROBE = ("import torchft, torchft.local_sgd\n"
+                 "from torchft.coordination import LighthouseServer\n"
+                 "s = LighthouseServer(bind='127.0.0.1:0', min_replicas=1); s.shutdown()\n"
+                 "import sys; sys.stdout.write(str(getattr(torchft, '__version__', None) or "
+                 "__import__('importlib.metadata').metadata.version('torchft')))")
+
+
+def probe_torchft(python: str, code: str = TORCHFT_PROBE) -> tuple[str | None, str | None]:
+    """(version, None) if torchft imports and a lighthouse starts in interpreter `python`, else
+    (None, why not)."""
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=180, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"cannot run {python}: {e}"
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["exit code %d" % r.returncode])[-1]
+        return None, (f"torchft does not run in {python} ({last}); pip install --no-deps torchft==0.2.0 and "
+                      f"pip install opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http")
+    return r.stdout.strip(), None
+
+
+def run_torchft(wan: Wan, a, log: Path, python: str, steps: int, enough=None) -> dict:
+    """bench/torchft_baseline.py x N (one replica group of one rank each) and its lighthouse, in
+    peer 0's namespace at its address."""
+    name, script = "torchft-diloco", str(ROOT / "bench" / "torchft_baseline.py")
+    tx0 = [wan.tx_bytes(i) for i in range(wan.n)]
+    lh = Proc([*wan.exec(0), python, script, "--serve-lighthouse", "--bind", "0.0.0.0:29510", "--world", str(wan.n)],
+              log=log / f"{name}-{wan.rate or 'unshaped'}-lighthouse.err")
+    deadline = time.time() + 120
+    while not lh.has("lighthouse listening") and time.time() < deadline and lh.p.poll() is None:
+        time.sleep(0.1)
+    if not lh.has("lighthouse listening"):
+        kill(lh.p)
+        return {"curve": [], "exit_codes": [lh.p.poll()], "error": "the torchft lighthouse did not start",
+                **traffic([0] * wan.n, [], []), "val_loss": None, "step_time_s": None, "steps": 0}
+    procs = []
+    for i in range(wan.n):
+        argv = [*wan.exec(i), python, script, "--rank", str(i), "--world", str(wan.n), "--host", wan.ip(i),
+                "--lighthouse", f"http://{wan.ip(0)}:29510", "--steps", str(steps),
+                "--sync-every", str(TORCHFT["sync_every"]), "--outer-lr", str(TORCHFT["outer_lr"]),
+                "--outer-momentum", str(TORCHFT["outer_momentum"]), "--batch-size", str(a.batch_size),
+                "--table-rows", str(a.table_rows), "--seed", str(a.seed), "--peer-id", f"p{i}", "--threads", "1",
+                *a.base_model_flags]
+        procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
+    try:
+        out, summaries = collect_baseline(wan, a, procs, tx0, enough)
+    finally:
+        kill(lh.p)
+    out["outer_steps_committed"] = [s.get("outer_steps_committed") for s in summaries]
+    return out
 
 
 def traffic(tx: list[int], samples, curve) -> dict:
@@ -707,63 +1104,71 @@ def _mean(xs: list[float]) -> float | None:
 # ----------------------------------------------------------------------------- report
 
 
-def plot(runs: dict[str, dict], floor: dict, target: float | None, a, path: Path) -> None:
+COLORS = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
+          "swarm-h8": "C5", "swarm-h32": "C6", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
+
+
+def plot(per_rate: dict[str, dict[str, dict]], floor: dict, target: float | None, a, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
-              "floor": "0.5"}
+    fig, axes = plt.subplots(len(per_rate), 2, figsize=(12, 4.2 * len(per_rate)), squeeze=False)
     per_step = a.batch_size * a.peers
-    for name, r in [*runs.items(), ("floor", floor)]:
-        c = r.get("curve") or []
-        if not c:
-            continue
-        t0 = c[0][1]
-        label = name if name != "floor" else "compute floor (1 peer, no network; samples x1)"
-        mult = per_step if name != "floor" else a.batch_size
-        ax1.plot([t - t0 for _, t, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
-        ax2.plot([s * mult for s, _, _ in c], [l for _, _, l in c], color=colors.get(name), label=label)
-        if r.get("val_loss") is not None and name != "floor":
-            ax1.plot([c[-1][1] - t0], [r["val_loss"]], "x", color=colors.get(name))
-            ax2.plot([c[-1][0] * mult], [r["val_loss"]], "x", color=colors.get(name))
-    for ax in (ax1, ax2):
-        if target is not None:
-            ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f}")
-        ax.set_ylabel("train loss (10-step running mean); x = final val_loss")
-        ax.grid(alpha=0.3)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("wall time since step 1 [s] (log)")
-    ax2.set_xlabel("samples (sequences of 128 bytes, all peers)")
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"{a.peers} peers, links shaped to {a.rate} (tbf), batch {a.batch_size}/peer, "
-                 f"{a.steps} steps, table rows {a.table_rows}")
+    for (rate, runs), (ax1, ax2) in zip(per_rate.items(), axes):
+        for name, r in [*runs.items(), ("floor", floor)]:
+            c = r.get("curve") or []
+            if not c:
+                continue
+            t0 = c[0][1]
+            label = name if name != "floor" else "compute floor (1 peer, no network; samples x1)"
+            if r.get("timing"):
+                label += f" (timed {r['timing'].get('timing_steps')} steps)"
+            mult = per_step if name != "floor" else a.batch_size
+            ls = "--" if r.get("timing") else "-"
+            ax1.plot([max(t - t0, 1e-2) for _, t, _ in c], [l for _, _, l in c], ls, color=COLORS.get(name), label=label)
+            ax2.plot([s * mult for s, _, _ in c], [l for _, _, l in c], ls, color=COLORS.get(name), label=label)
+            if r.get("val_loss") is not None and name != "floor":
+                ax2.plot([a.steps * mult], [r["val_loss"]], "x", color=COLORS.get(name))
+        for ax in (ax1, ax2):
+            if target is not None:
+                ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f} (ddp-dense final)")
+            ax.set_ylabel("train loss (10-step running mean)")
+            ax.grid(alpha=0.3)
+        ax1.set_xscale("log")
+        ax1.set_xlabel(f"wall time since step 1 [s] (log), links {rate}")
+        ax2.set_xlabel("samples (sequences, all peers); x = val_loss at the budget")
+        ax2.legend(fontsize=7)
+    fig.suptitle(f"{a.peers} peers, model {a.model}, batch {a.batch_size}/peer, budget {a.steps} steps, "
+                 f"table rows {a.table_rows}; dashed: synchronous baselines' full-budget loss, timed at the rate")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def table(runs: dict[str, dict], floor: dict, solo: dict, target: float | None, a) -> str:
-    per_step = a.batch_size * a.peers
-    rows = ["| method | s/step | x floor | wait share | time to target [s] | step | final loss | val_loss "
-            "| MB sent/peer, training | MB sent/peer, whole run | MB/step/peer |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def how(name: str, r: dict, full_rate: str | None) -> str:
+    """How a method's row at a rate was measured (for the table)."""
+    if r.get("timing"):
+        return f"timed {r['timing'].get('timing_steps')} steps here; loss of its budget at {full_rate or 'unshaped'}"
+    if r.get("max_steps"):
+        return f"up to {r['max_steps']} steps, stopped at {r.get('stopped_at_step') or r.get('steps')}"
+    return "its budget here"
+
+
+def table(runs: dict[str, dict], floor: dict, target: float | None, a, rate: str, full_rate: str | None) -> str:
+    rows = [f"links {rate}:",
+            "| method | how | s/step | x floor | time to target [s] | step | final loss | val_loss "
+            "| bytes/sample | MB sent/peer, whole run |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in runs.items():
         c = r.get("curve") or []
         st = r.get("step_time_s")
-        mb = r.get("bytes_per_peer", 0) / 1e6
-        mb_run = r.get("run_bytes_per_peer", 0) / 1e6
-        ws = r.get("wait_share")
-        if r.get("measured_wait_share") is not None:
-            ws = f"{ws} ({r['measured_wait_share']} measured)"
-        rows.append(f"| {name} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} | {ws} "
-                    f"| {_f(r.get('time_to_target_s'), 1)} | {r.get('target_step')} | {_f(c[-1][2] if c else None, 3)} "
-                    f"| {_f(r.get('val_loss'), 3)} | {mb:.1f} | {mb_run:.1f} | {(r.get('bytes_per_step_per_peer') or 0) / 1e6:.3f} |")
-    rows.append(f"| floor, {a.peers} alone at once | {_f(floor.get('step_time_s'), 3)} | 1.00 | 0 | | | "
-                f"{_f(floor['curve'][-1][2] if floor.get('curve') else None, 3)} | {_f(floor.get('val_loss'), 3)} | 0 | 0 | 0 |")
-    rows.append(f"| floor, 1 alone | {_f(solo.get('step_time_s'), 3)} | | 0 | | | "
-                f"{_f(solo['curve'][-1][2] if solo.get('curve') else None, 3)} | {_f(solo.get('val_loss'), 3)} | 0 | 0 | 0 |")
-    return "\n".join(rows) + f"\n\ntarget loss {_f(target, 4)}; samples per step {per_step}"
+        t, lb = time_or_bound(r)
+        ttt = "-" if t is None else (f">= {t:.1f} (missed)" if lb else f"{t:.1f}")
+        bps = bytes_per_sample(r, a.batch_size)
+        rows.append(f"| {name} | {how(name, r, full_rate)} | {_f(st, 3)} | {_f(ratio(st, floor.get('step_time_s')), 2)} "
+                    f"| {ttt} | {r.get('target_step') or '-'} | {_f(c[-1][2] if c else None, 3)} "
+                    f"| {_f(r.get('val_loss'), 3)} | {_f(bps, 0)} | {(r.get('run_bytes_per_peer') or 0) / 1e6:.1f} |")
+    return "\n".join(rows)
 
 
 def _f(v, d: int) -> str:
@@ -773,24 +1178,55 @@ def _f(v, d: int) -> str:
 # ----------------------------------------------------------------------------- main
 
 
+def run_method(wan: Wan, a, m: str, log: Path, steps: int, target: float | None, pythons: dict,
+               enough=None) -> dict:
+    if m in SWARM_FLAGS:
+        return run_swarm(wan, a, m, log, steps, target)
+    if m == "hivemind":
+        return run_hivemind(wan, a, log, pythons["hivemind"], steps, enough)
+    if m == "torchft-diloco":
+        return run_torchft(wan, a, log, pythons["torchft"], steps, enough)
+    return run_ddp(wan, a, m.split("-")[1], log, steps, enough)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo and Hivemind on shaped links (needs root)")
+    ap = argparse.ArgumentParser(description="swarm vs DDP-gloo, torchft DiLoCo and Hivemind on shaped links (needs root)")
     ap.add_argument("--peers", type=int, default=4)
-    ap.add_argument("--rate", default="80mbit", help="tbf rate of every link, each direction (default 80mbit ~ 10 MB/s)")
+    ap.add_argument("--rate", action="append", default=None,
+                    help="tbf rate of every link, each direction (repeatable; default 80mbit ~ 10 MB/s and 8mbit)")
+    ap.add_argument("--sync-full-rate", default="none",
+                    help="rate at which the synchronous baselines run their whole budget (default none: unshaped); "
+                         "at every other --rate they are timed for --timing-steps steps")
+    ap.add_argument("--timing-steps", type=int, default=10,
+                    help="steps a synchronous baseline is timed at a rate (torchft: rounded up to whole sync windows)")
+    ap.add_argument("--timing-seconds", type=float, default=100.0,
+                    help="a timing run also ends after this many seconds past step 1 once it has 3 steps "
+                         "(torchft: one sync window); dense DDP takes about a minute a step at 8mbit")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--table-rows", type=int, default=32768)
+    ap.add_argument("--model", choices=sorted(MODELS), default="small",
+                    help="model preset (small: the built-in size; big: 5.1M dense parameters, small tables, batch 4)")
+    ap.add_argument("--steps", type=int, default=224,
+                    help="the sample budget in inner steps per peer (a multiple of every method's H; default 224 = 7 x 32)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the model preset's (small 16, big 4)")
+    ap.add_argument("--table-rows", type=int, default=None, help="default: the model preset's (small 32768, big 4096)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--margin", type=float, default=0.01, help="added to the worst final loss to make the target")
+    ap.add_argument("--margin", type=float, default=0.0, help="added to dense DDP's final loss to make the target")
     ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
-    ap.add_argument("--only", action="append", choices=METHODS, help="run only these methods (repeatable)")
-    ap.add_argument("--step-repeats", type=int, default=5,
-                    help="(contended floor, swarm) pairs whose median step-time ratio is reported (default 5)")
-    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one method may take")
+    ap.add_argument("--only", action="append", choices=METHODS,
+                    help=f"run only these methods (repeatable; default all but swarm-dense: {', '.join(DEFAULT_METHODS)})")
+    ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS if m not in ("swarm", "swarm-dense")],
+                    default="swarm-h32", help="the local-step configuration the last line's figures are about")
+    ap.add_argument("--step-repeats", type=int, default=1,
+                    help="(contended floor, local method) pairs per rate whose median step-time ratio is reported")
+    ap.add_argument("--extra-steps-factor", type=float, default=1.5,
+                    help="swarm methods may run up to this x the budget to reach the target (stopped once reached "
+                         "after the budget; val_loss still at the budget); 1: the budget only, a lower bound if missed")
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (the time cap)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "wan.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "wan.png"))
     ap.add_argument("--log-dir", default="/tmp/swarm-wan-logs")
+    ap.add_argument("--torchft-python", default=None,
+                    help="interpreter with torchft installed for torchft-diloco (default: this one)")
     ap.add_argument("--hivemind-python", default=None,
                     help="interpreter with `hivemind` installed for the hivemind method (default: this one)")
     ap.add_argument("--hivemind-matchmaking-time", type=float, default=3.0,
@@ -805,11 +1241,23 @@ def main() -> int:
     if msg:
         print(msg)
         return 0
+    rates = list(dict.fromkeys(a.rate or ["80mbit", "8mbit"]))
+    full_rate = None if a.sync_full_rate.lower() in ("none", "unshaped", "") else a.sync_full_rate
+    preset = MODELS[a.model]
+    a.batch_size = a.batch_size or preset["batch_size"]
+    a.table_rows = a.table_rows or preset["table_rows"]
+    a.peer_model_flags, a.base_model_flags = model_flags(preset, MODELS["small"])
+    methods = [m for m in METHODS if m in (a.only or DEFAULT_METHODS)]
+    local = a.local_method
+    problems = [p for p in (check_budget(a.steps, methods),) if p]
     if a.step_repeats < 1:
-        print("--step-repeats must be at least 1", file=sys.stderr)
-        return 2
+        problems.append("--step-repeats must be at least 1")
     if a.delay_ms > 0:
-        print("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet", file=sys.stderr)
+        problems.append("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet")
+    if a.timing_steps < 3:
+        problems.append("--timing-steps must be at least 3")
+    if problems:
+        print("; ".join(problems), file=sys.stderr)
         return 2
 
     def on_term(signum, frame):
@@ -820,57 +1268,83 @@ def main() -> int:
         sh("ip", "netns", "del", ns, check=False)
     log = Path(a.log_dir)
     log.mkdir(parents=True, exist_ok=True)
-    wan = Wan(a.peers, a.rate, f"swwan{os.getpid()}")
-    methods = list(a.only or METHODS)
-    hivemind_python = a.hivemind_python or sys.executable
-    hivemind_note: str | dict = "not run (--only)"
-    if "hivemind" in methods:
-        version, why = probe_hivemind(hivemind_python)
-        if version is None:
-            methods.remove("hivemind")
-            hivemind_note = f"skipped: {why}"
-            print(f"hivemind skipped: {why}", flush=True)
-        else:
-            hivemind_note = {"version": version, "python": hivemind_python}
+    pythons = {"hivemind": a.hivemind_python or sys.executable, "torchft": a.torchft_python or sys.executable}
+    notes: dict[str, str | dict] = {"hivemind": "not run (--only)", "torchft": "not run (--only)"}
+    for m, key, probe in (("hivemind", "hivemind", lambda py: probe_hivemind(py)),
+                          ("torchft-diloco", "torchft", probe_torchft)):
+        if m in methods:
+            version, why = probe(pythons[key])
+            if version is None:
+                methods.remove(m)
+                notes[key] = f"skipped: {why}"
+                print(f"{m} skipped: {why}", flush=True)
+            else:
+                notes[key] = {"version": version, "python": pythons[key]}
+    steps_plan = plan(methods, rates, full_rate, local, a.step_repeats)
     t_start = time.time()
-    runs: dict[str, dict] = {}
-    pairs: list[tuple[float, float]] = []  # (contended floor, swarm) step times, run back to back
+    wan = Wan(a.peers, full_rate, f"swwan{os.getpid()}")
+    full: dict[str, dict] = {}
+    per_rate: dict[str, dict[str, dict]] = {r: {} for r in rates}
+    pairs: dict[str, list[tuple[float, float]]] = {r: [] for r in rates}
+    durations: list[dict] = []
+    target, target_from = a.target, "--target" if a.target is not None else None
+    solo = floor = last_floor = {}
     try:
         wan.up()
-        print(f"namespaces up: {a.peers} peers, tbf {a.rate} each way; steps {a.steps}, batch {a.batch_size}/peer, "
-              f"table rows {a.table_rows}", flush=True)
-        solo = run_floor(wan, a, 1, log)
-        print(f"floor, 1 peer alone: {_f(solo['step_time_s'], 3)} s/step", flush=True)
-        floor = run_floor(wan, a, a.peers, log)
-        print(f"floor, {a.peers} peers alone at once: {_f(floor['step_time_s'], 3)} s/step", flush=True)
-        for m in methods:
+        print(f"namespaces up: {a.peers} peers; model {a.model}, steps {a.steps}, batch {a.batch_size}/peer, table rows "
+              f"{a.table_rows}; rates {', '.join(rates)}; synchronous baselines' budget at {full_rate or 'unshaped'}; "
+              f"{len(steps_plan)} runs", flush=True)
+        for kind, m, r in steps_plan:
+            if kind != "floor-solo" and (kind == "full" or r is not None) and wan.rate != r:
+                wan.shape(r)
+                print(f"links now {r or 'unshaped'}", flush=True)
             t0 = time.time()
-            if m.startswith("swarm"):
-                runs[m] = run_swarm(wan, a, "topk-int8" if m == "swarm" else "none", log)
-            elif m == "hivemind":
-                runs[m] = run_hivemind(wan, a, log, hivemind_python)
-                print(f"hivemind: {json.dumps(runs[m].get('health') or runs[m].get('error'))}", flush=True)
+            if kind == "floor-solo":
+                res = solo = run_floor(wan, a, 1, log)
+            elif kind == "floor":
+                res = last_floor = run_floor(wan, a, a.peers, log, m)
+                if m is None:
+                    floor = res
+            elif kind == "full":
+                res = full[m] = run_method(wan, a, m, log, a.steps, None, pythons)
+                if r in per_rate:
+                    per_rate[r][m] = res
+                if m == "ddp-dense" and target is None and ddp_target(full) is not None:
+                    target, target_from = ddp_target(full) + a.margin, "ddp-dense final running-mean loss"
+            elif kind == "timing":
+                H = sync_every_of(m)
+                n = -(-a.timing_steps // H) * H if H > 1 else a.timing_steps  # whole windows
+                min_steps = H if H > 1 else 3
+                res = run_method(wan, a, m, log, n, None, pythons,
+                                 enough=lambda c, k=min_steps: timing_done(c, k, a.timing_seconds))
+                curve, info = project_curve(full[m].get("curve") or [], res.get("curve") or [], H)
+                per_rate[r][m] = {**full[m], "curve": curve, "step_time_s": step_time(curve),
+                                  "timing": {**info, "measured_step_time_s": res.get("step_time_s"),
+                                             "bytes_per_step_per_peer": res.get("bytes_per_step_per_peer"),
+                                             "exit_codes": res.get("exit_codes"), "seconds": round(time.time() - t0, 1)}}
+            else:  # run / pair: a swarm method's budget (a run may be extended), a pair's repeat is not
+                ext = kind == "run" and a.extra_steps_factor > 1
+                steps = extended_steps(a.steps, a.extra_steps_factor, sync_every_of(m)) if ext else a.steps
+                res = run_method(wan, a, m, log, steps, target, pythons)
+                if kind == "run":
+                    per_rate[r][m] = res
+                else:
+                    per_rate[r][m].setdefault("repeat_step_times_s", []).append(res.get("step_time_s"))
+                if m == local and res.get("step_time_s") and last_floor.get("step_time_s"):
+                    pairs[r].append((last_floor["step_time_s"], res["step_time_s"]))
+            secs = time.time() - t0
+            durations.append({"kind": kind, "method": m, "rate": r or "unshaped", "seconds": round(secs, 1)})
+            what = f"{kind} {m or 'floor'}" + (f" at {r or 'unshaped'}" if kind not in ("floor-solo",) else "")
+            if kind in ("floor-solo", "floor"):
+                print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {secs:.0f} s", flush=True)
             else:
-                runs[m] = run_ddp(wan, a, m.split("-")[1], log)
-            r = runs[m]
-            print(f"{m}: {_f(r['step_time_s'], 3)} s/step, {r['bytes_per_peer'] / 1e6:.1f} MB/peer in training "
-                  f"({r['run_bytes_per_peer'] / 1e6:.1f} MB whole run), "
-                  f"val_loss {_f(r['val_loss'], 4)}, exit {r['exit_codes']}, {time.time() - t0:.0f} s", flush=True)
-            if r.get("step_phases_ms"):
-                print(f"{m} step phases, ms per step (mean over peers): {r['step_phases_ms']}", flush=True)
-            if isinstance(hivemind_note, dict) and m == "hivemind":
-                hivemind_note.update(r.get("health") or {})
-        if "swarm" in runs and runs["swarm"].get("step_time_s") and floor.get("step_time_s"):
-            # this machine's speed drifts by +-10% from minute to minute: the step-time ratio is the
-            # median over pairs of (contended floor, swarm) run back to back
-            pairs.append((floor["step_time_s"], runs["swarm"]["step_time_s"]))
-            for k in range(1, a.step_repeats):
-                fl = run_floor(wan, a, a.peers, log)
-                sw = run_swarm(wan, a, "topk-int8", log)
-                if fl.get("step_time_s") and sw.get("step_time_s"):
-                    pairs.append((fl["step_time_s"], sw["step_time_s"]))
-                print(f"step-time pair {k + 1}: floor {_f(fl.get('step_time_s'), 3)}, swarm {_f(sw.get('step_time_s'), 3)} "
-                      f"s/step", flush=True)
+                print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {(res.get('run_bytes_per_peer') or 0) / 1e6:.1f} MB"
+                      f"/peer, final loss {_f((res.get('curve') or [[0, 0, None]])[-1][2], 4)}, val_loss "
+                      f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s", flush=True)
+                if res.get("step_phases_ms"):
+                    print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
+                if m == "hivemind" and isinstance(notes["hivemind"], dict):
+                    notes["hivemind"].update(res.get("health") or {})
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -879,18 +1353,41 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    target = a.target if a.target is not None else pick_target({m: r["curve"] for m, r in runs.items()}, a.margin)
-    for r in runs.values():
-        r["time_to_target_s"], r["target_step"] = time_to_target(r["curve"], target) if target is not None else (None, None)
-        r["wait_share"] = wait_share(r["step_time_s"], floor["step_time_s"])
-    result = summarize(runs, floor["step_time_s"], solo["step_time_s"], target, pairs)
-    result["hivemind"] = hivemind_note
-    result["seconds"] = round(time.time() - t_start, 1)
-    print(table(runs, floor, solo, target, a))
-    doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "runs": runs}
+    if target is None and per_rate.get(rates[0]):
+        target = pick_target({m: r["curve"] for m, r in per_rate[rates[0]].items()}, a.margin)
+        target_from = f"worst final loss at {rates[0]} (ddp-dense was not run)" if target is not None else None
+    floor_s = floor.get("step_time_s")
+    for runs in per_rate.values():
+        for r in runs.values():
+            r["time_to_target_s"], r["target_step"] = (time_to_target(r["curve"], target) if target is not None
+                                                       else (None, None))
+            r["wait_share"] = wait_share(r.get("step_time_s"), floor_s)
+    result = summarize_rates(per_rate, local, target, pairs, a.batch_size)
+    result.update(
+        target_from=target_from,
+        sync_baselines=(f"{', '.join(m for m in methods if m in SYNC_METHODS) or 'none'}: whole budget once at "
+                        f"{full_rate or 'unshaped links'} (loss and bytes), timed {a.timing_steps} steps or "
+                        f"{a.timing_seconds:g} s (at least 3 steps; torchft whole sync windows) at every other rate; their time to the target there is "
+                        f"projected from the timing run (plain step time and sync extra)"),
+        swarm_methods=("whole budget at every rate" + (f", extended up to x{a.extra_steps_factor:g} until the target "
+                                                       f"(val_loss at the budget)" if a.extra_steps_factor > 1 else
+                                                       "; a method that misses the target gets its whole run as a "
+                                                       "lower bound")),
+        model={"preset": a.model, **preset, "batch_size": a.batch_size, "table_rows": a.table_rows},
+        steps=a.steps, peers=a.peers, rates=rates,
+        compute_floor_step_s=None if floor_s is None else round(floor_s, 4),
+        solo_compute_floor_step_s=None if solo.get("step_time_s") is None else round(solo["step_time_s"], 4),
+        by_rate={r: summarize(runs, floor_s, solo.get("step_time_s"), target) for r, runs in per_rate.items()},
+        torchft=notes["torchft"], hivemind=notes["hivemind"], run_seconds=durations,
+        seconds=round(time.time() - t_start, 1))
+    for r, runs in per_rate.items():
+        print(table(runs, floor, target, a, r, full_rate) + "\n")
+    print(f"target loss {_f(target, 4)} ({target_from}); samples per step {a.batch_size * a.peers}; compute floor "
+          f"{_f(floor_s, 3)} s/step ({a.peers} alone at once), {_f(solo.get('step_time_s'), 3)} s/step (1 alone)")
+    doc = {"args": vars(a), "summary": result, "floor": floor, "solo_floor": solo, "full_runs": full, "runs": per_rate}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     try:
-        plot(runs, floor, target, a, Path(a.plot))
+        plot(per_rate, floor, target, a, Path(a.plot))
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print(json.dumps(result))

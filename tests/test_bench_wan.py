@@ -223,3 +223,189 @@ def test_hivemind_does_not_set_the_target_and_gets_a_lower_bound_when_it_misses_
     assert out["speedup_vs_sparse_ddp_time_to_loss"] == 3.0
     assert out["speedup_vs_hivemind_time_to_loss"] == 40.0  # at least: its whole run / the swarm's time
     assert out["speedup_lower_bound_for"] == ["hivemind"]
+
+
+# ----------------------------------------------------------------------------- local steps, two rates, the DDP target
+
+def test_local_flags_and_the_methods_flags():
+    assert wan.local_flags({"compression": "topk-int2", "ratio": 0.02, "overlap": True, "outer_nesterov": False,
+                            "chunk": None}, 8) == ["--sync-every", "8", "--compression", "topk-int2", "--ratio", "0.02",
+                                                   "--overlap", "1"]
+    h32 = wan.SWARM_FLAGS["swarm-h32"]
+    assert h32[:2] == ["--sync-every", "32"] and "--overlap" in h32
+    for key, v in wan.LOCAL_STEP.items():  # the one table sets every local-step method
+        flag = "--" + key.replace("_", "-")
+        assert flag in h32 and flag in wan.SWARM_FLAGS["swarm-h8"]
+    diloco = wan.SWARM_FLAGS["swarm-diloco"]
+    assert diloco[diloco.index("--compression") + 1] == "none" and diloco[diloco.index("--outer-nesterov") + 1] == "1"
+    assert diloco[diloco.index("--outer-momentum") + 1] == "0.9" and "--overlap" not in diloco
+    assert wan.SWARM_FLAGS["swarm"] == [] and wan.SWARM_FLAGS["swarm-dense"] == ["--compression", "none"]
+
+
+def test_sync_periods_and_the_budget_check():
+    assert [wan.sync_every_of(m) for m in ("swarm", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-dense",
+                                           "torchft-diloco", "hivemind")] == [1, 8, 32, 32, 1, 32, 1]
+    assert wan.check_budget(224, list(wan.METHODS)) is None
+    why = wan.check_budget(200, ["swarm", "swarm-h8", "swarm-h32", "torchft-diloco"])
+    assert "200" in why and "swarm-h32 (H=32)" in why and "torchft-diloco" in why and "swarm-h8" not in why
+    assert wan.check_budget(10, ["ddp-dense", "swarm"]) is None
+    assert wan.extended_steps(224, 2.0, 32) == 448 and wan.extended_steps(224, 1.5, 32) == 320
+    assert wan.extended_steps(224, 1.0, 32) == 224 and wan.extended_steps(224, 1.1, 32) == 224
+
+
+def test_model_presets_map_to_peer_and_baseline_flags():
+    small = wan.MODELS["small"]
+    assert wan.model_flags(small, small) == ([], [])
+    peer, base = wan.model_flags(wan.MODELS["big"], small)
+    assert "d_model=320" in peer and "layers=4" in peer and peer.count("--task-arg") == 2
+    assert base == ["--d-model", "320", "--layers", "4"]
+    big = wan.MODELS["big"]  # >= 5M dense parameters (swarm.tasks.bytelm.dense_params), the tables smaller
+    d, L, V, C = big["d_model"], big["layers"], 256, big["context"]
+    dense = V * d + C * d + L * (4 * d + 12 * d * d) + 2 * d + d * V
+    assert dense >= 5_000_000 and 2 * big["table_rows"] * d < dense
+
+
+def test_plan_runs_sync_baselines_once_and_pairs_the_local_method():
+    methods = ["swarm", "swarm-h32", "swarm-diloco", "ddp-sparse", "ddp-dense", "torchft-diloco"]
+    p = wan.plan(methods, ["80mbit", "8mbit"], None, "swarm-h32", 2)
+    assert p[:2] == [("floor-solo", None, None), ("floor", None, None)]
+    assert p[2:5] == [("full", "ddp-dense", None), ("full", "ddp-sparse", None), ("full", "torchft-diloco", None)]
+    for r in ("80mbit", "8mbit"):
+        at = [(k, m) for k, m, rr in p if rr == r]
+        assert at == [("timing", "ddp-dense"), ("timing", "ddp-sparse"), ("timing", "torchft-diloco"),
+                      ("run", "swarm"), ("run", "swarm-diloco"), ("floor", "swarm-h32"), ("run", "swarm-h32"),
+                      ("floor", "swarm-h32"), ("pair", "swarm-h32")]
+    # budget at the first rate: no timing run there
+    p = wan.plan(["ddp-dense", "swarm-h32"], ["80mbit", "8mbit"], "80mbit", "swarm-h32", 1)
+    assert ("timing", "ddp-dense", "80mbit") not in p and ("timing", "ddp-dense", "8mbit") in p
+    assert ("full", "ddp-dense", "80mbit") in p and ("pair", "swarm-h32", "80mbit") not in p
+    # --only without the local method: no pairs
+    assert not [x for x in wan.plan(["swarm"], ["8mbit"], None, "swarm-h32", 3) if x[0] in ("pair",) or x[1] == "swarm-h32"]
+
+
+def test_project_curve_per_step_baseline():
+    full = [(1, 100.0, 5.0), (2, 100.5, 4.0), (3, 101.0, 3.0), (4, 101.5, 2.5)]
+    timing = [(1, 50.0, 9.0), (2, 56.0, 9.0), (3, 62.0, 9.0)]  # 6 s a step at this rate
+    curve, info = wan.project_curve(full, timing)
+    assert [(k, l) for k, _, l in curve] == [(k, l) for k, _, l in full]  # the loss of the full run
+    assert [t - curve[0][1] for _, t, _ in curve] == [0.0, 6.0, 12.0, 18.0]
+    assert info["plain_step_s"] == 6.0 and info["sync_extra_s"] == 0.0 and info["timing_steps"] == 3
+    assert wan.time_to_target(curve, 3.0) == (12.0, 3)
+    assert wan.project_curve(full, timing[:1])[0] == [] and "error" in wan.project_curve(full, timing[:1])[1]
+
+
+def test_project_curve_with_sync_windows():
+    H = 4  # plain steps 1 s; the step that ends a window 11 s (10 s of all-reduce)
+    timing, t = [(1, 0.0, 9.0)], 0.0
+    for k in range(2, 9):
+        t += 11.0 if k % H == 0 else 1.0
+        timing.append((k, t, 9.0))
+    full = [(k, 1000.0 + k * 0.1, 5.0 - k * 0.1) for k in range(1, 13)]
+    curve, info = wan.project_curve(full, timing, H)
+    assert info["plain_step_s"] == 1.0 and info["sync_extra_s"] == 10.0
+    rel = {k: t - curve[0][1] for k, t, _ in curve}
+    assert [rel[k] for k in (3, 4, 8, 12)] == pytest.approx([2.0, 13.0, 27.0, 41.0])
+    no_sync = [(1, 0.0, 9.0), (2, 1.0, 9.0), (3, 2.0, 9.0)]
+    assert "warning" in wan.project_curve(full, no_sync, H)[1]
+
+
+def test_the_target_is_dense_ddps_final_loss():
+    runs = {"ddp-dense": {"curve": [(1, 0.0, 5.0), (2, 1.0, 2.0), (3, 2.0, 2.5)]},
+            "swarm": {"curve": [(1, 0.0, 5.0), (2, 1.0, 9.0)]}}
+    assert wan.ddp_target(runs) == 2.5  # its final running mean, not its best, nor the worst method's
+    assert wan.ddp_target({"swarm": runs["swarm"]}) is None and wan.ddp_target({"ddp-dense": {"curve": []}}) is None
+    # dense DDP always reaches its own final loss (at or before its last step)
+    assert wan.time_to_target(runs["ddp-dense"]["curve"], 2.5) == (1.0, 2)
+
+
+def test_reached_and_timing_done():
+    c = [(1, 0.0, 5.0), (2, 1.0, 3.0), (3, 2.0, 3.5)]
+    assert wan.reached(c, 3, 3.0) and not wan.reached(c, 4, 3.0) and not wan.reached(c, 3, 2.0)
+    assert not wan.reached(c, 3, None) and not wan.reached([], 0, 1.0)
+    assert wan.timing_done(c, 3, 2.0) and not wan.timing_done(c, 3, 2.5) and not wan.timing_done(c, 4, 0.0)
+    assert not wan.timing_done(c[:2], 2, 0.0)
+
+
+def test_val_at_the_budget_from_the_peers_val_history():
+    # val_history is [[round, val_loss]]: with H = 32, the budget of 224 inner steps is round 7
+    summ = [{"val_history": [[0, 5.0], [7, 2.0], [14, 1.5]]}, {"val_history": [[7, 2.2]]}, {}]
+    assert wan.val_at(summ, 224 // wan.sync_every_of("swarm-h32")) == pytest.approx(2.1)
+    assert wan.val_at(summ, 100) is None and wan.val_at([], 7) is None
+
+
+def test_lower_bounds_and_speedup_kinds():
+    hit = {"time_to_target_s": 10.0, "curve": [(1, 0.0, 5.0), (2, 30.0, 1.0)]}
+    miss = {"time_to_target_s": None, "curve": [(1, 0.0, 5.0), (2, 40.0, 3.0)]}
+    assert wan.time_or_bound(hit) == (10.0, False) and wan.time_or_bound(miss) == (40.0, True)
+    assert wan.time_or_bound(None) == (None, False)
+    assert wan.speedup(hit, {"time_to_target_s": 5.0}) == (2.0, "exact")
+    assert wan.speedup(miss, hit) == (4.0, "at_least")  # the baseline missed: at least 40 / 10
+    assert wan.speedup(hit, miss) == (0.25, "at_most")  # we missed: at most 10 / 40
+    assert wan.speedup(miss, miss) == (None, None) and wan.speedup(None, hit) == (None, None)
+
+
+def test_bytes_per_sample_and_gap():
+    run = {"tx_bytes_run": [1_000_000, 3_000_000], "steps": 100}
+    assert wan.bytes_per_sample(run, 16) == 1250.0  # mean 2 MB / (100 steps x 16)
+    assert wan.bytes_per_sample({"tx_bytes_run": [1], "steps": 0}, 16) is None and wan.bytes_per_sample(None, 16) is None
+    assert wan.gap(2.2, 2.0) == 0.1 and wan.gap(None, 2.0) is None and wan.gap(2.0, 0) is None
+
+
+def _run(ttt, end, val, tx, steps=224, st=0.3):
+    return {"time_to_target_s": ttt, "curve": [(1, 0.0, 5.0), (steps, end, 2.0)], "val_loss": val,
+            "tx_bytes_run": tx, "steps": steps, "step_time_s": st}
+
+
+def test_summarize_rates_keys_per_rate():
+    per_rate = {
+        "80mbit": {"ddp-dense": _run(100.0, 150.0, 2.0, [9_000_000] * 4), "ddp-sparse": _run(50.0, 60.0, 2.0, [10] * 4),
+                   "swarm-diloco": _run(40.0, 45.0, 2.1, [10] * 4), "torchft-diloco": _run(30.0, 35.0, 2.0, [10] * 4),
+                   "swarm": _run(20.0, 25.0, 2.2, [3_584_000] * 4), "swarm-h32": _run(10.0, 15.0, 2.1, [358_400] * 4)},
+        "8mbit": {"ddp-dense": _run(1000.0, 1500.0, 2.0, [9_000_000] * 4),
+                  "swarm-h32": _run(None, 20.0, 2.3, [358_400] * 4)},
+    }
+    pairs = {"80mbit": [(0.25, 0.3), (0.2, 0.3), (0.25, 0.35)], "8mbit": []}
+    out = wan.summarize_rates(per_rate, "swarm-h32", 2.0, pairs, 16)
+    keys = ("speedup_vs_ddp_time_to_ddp_loss", "speedup_vs_sparse_ddp_time_to_ddp_loss",
+            "speedup_vs_dense_diloco_time_to_ddp_loss", "speedup_vs_torchft_diloco_time_to_ddp_loss",
+            "bytes_per_sample_vs_per_step_swarm", "val_loss_gap_vs_ddp_at_equal_samples",
+            "local_step_time_over_compute_floor")
+    for key in keys:
+        assert set(out[key]) == {"80mbit", "8mbit"}, key
+    assert out["local_step_config"]["method"] == "swarm-h32" and out["local_step_config"]["sync_every"] == 32
+    assert out["speedup_vs_ddp_time_to_ddp_loss"] == {"80mbit": 10.0, "8mbit": 50.0}  # 1000 / at least 20
+    assert out["speedup_bounds"] == {"speedup_vs_ddp_time_to_ddp_loss": {"8mbit": "at_most"}}
+    assert out["speedup_vs_sparse_ddp_time_to_ddp_loss"] == {"80mbit": 5.0, "8mbit": None}
+    assert out["speedup_vs_dense_diloco_time_to_ddp_loss"]["80mbit"] == 4.0
+    assert out["speedup_vs_torchft_diloco_time_to_ddp_loss"]["80mbit"] == 3.0
+    assert out["bytes_per_sample_vs_per_step_swarm"] == {"80mbit": 10.0, "8mbit": None}
+    assert out["val_loss_gap_vs_ddp_at_equal_samples"] == {"80mbit": 0.05, "8mbit": 0.15}
+    assert out["local_step_time_over_compute_floor"] == {"80mbit": 1.4, "8mbit": None}
+    assert out["local_step_time_ratios"]["80mbit"] == [1.2, 1.5, 1.4]
+    assert out["local_floor_step_s"] == {"80mbit": [0.25, 0.2, 0.25], "8mbit": []}
+    assert out["time_to_ddp_loss_lower_bound_s"] == {"80mbit": {}, "8mbit": {"swarm-h32": 20.0}}
+    assert out["time_to_ddp_loss_s"]["8mbit"]["swarm-h32"] is None
+    assert out["bytes_per_sample"]["80mbit"]["swarm-h32"] == 100
+    json.dumps(out)
+
+
+def test_probe_torchft_reports_why_not():
+    version, why = wan.probe_torchft(sys.executable, code="import no_such_module_xyz")
+    assert version is None and "no_such_module_xyz" in why and "--no-deps" in why
+    version, why = wan.probe_torchft("/nonexistent/python3")
+    assert version is None and "cannot run" in why
+    version, why = wan.probe_torchft(sys.executable, code="import sys; sys.stdout.write('9.9')")
+    assert (version, why) == ("9.9", None)
+
+
+def test_the_table_says_which_rows_were_timed_and_which_missed_the_target():
+    import types
+    a = types.SimpleNamespace(batch_size=16)
+    runs = {"ddp-dense": {**_run(100.0, 150.0, 2.0, [9_000_000] * 4), "timing": {"timing_steps": 4}},
+            "swarm-h32": {**_run(None, 20.0, 2.3, [358_400] * 4), "max_steps": 448, "stopped_at_step": None},
+            "swarm": _run(5.0, 20.0, 2.3, [358_400] * 4)}
+    out = wan.table(runs, {"step_time_s": 0.25}, 2.0, a, "8mbit", None)
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert "timed 4 steps here; loss of its budget at unshaped" in rows["ddp-dense"]
+    assert ">= 20.0 (missed)" in rows["swarm-h32"] and "up to 448 steps" in rows["swarm-h32"]
+    assert "its budget here" in rows["swarm"] and "| 5.0 |" in rows["swarm"]
