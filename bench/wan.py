@@ -18,7 +18,7 @@ and sample budget (--steps inner steps x --batch-size x N), one after another:
   swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step
   swarm-dense    `peer.py` x N, --compression none (dense fp32 payloads every step; not in the default
                  set: about 12 minutes alone at 8mbit; --only swarm-dense)
-  swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 / 32 --overlap 1 and the LOCAL_STEP table
+  swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 (--overlap 1) / 32 and the LOCAL_STEP table
                  below (SparseLoCo-ish: topk-int2 at 2%, error feedback decayed 0.95, outer lr 1)
   swarm-diloco   `peer.py` x N, the swarm's dense DiLoCo: --sync-every 32 --compression none, outer
                  Nesterov SGD lr 0.7 momentum 0.9 (the DiLoCo paper's recipe; table DILOCO)
@@ -140,9 +140,13 @@ DEFAULT_METHODS = tuple(m for m in METHODS if m != "swarm-dense")
 SYNC_METHODS = ("ddp-dense", "ddp-sparse", "torchft-diloco", "hivemind")
 
 # The settings of the swarm's local-step methods (swarm-h8, swarm-h32: H inner steps, then one
-# compressed pseudo-gradient round that travels while the next window computes). SparseLoCo-ish:
-# 2-bit Top-K at 2% density with decaying error feedback as the outer momentum, plain outer step.
-LOCAL_STEP = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "outer_lr": 1.0, "overlap": True}
+# compressed pseudo-gradient round). SparseLoCo-ish: 2-bit Top-K at 2% density with decaying error
+# feedback as the outer momentum, plain outer step; a quarter of each window's row deltas pushed
+# (the rest carried). swarm-h32 takes its round between windows (at this model size a round is
+# ~0.1 s against ~10 s of window: bench/local_steps.py measured overlap's delayed update costing
+# 0.04-0.09 in val_loss at H = 32 over seven windows); swarm-h8 overlaps it.
+LOCAL_STEP = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "outer_lr": 1.0, "row_ratio": 0.25,
+              "overlap": False}
 # swarm-diloco: the swarm's own dense DiLoCo, the DiLoCo paper's recipe (H = 32, outer Nesterov SGD)
 DILOCO = {"compression": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
 # torchft-diloco (bench/torchft_baseline.py): the same recipe in torchft.local_sgd.DiLoCo
@@ -376,7 +380,7 @@ def local_flags(settings: dict, sync_every: int) -> list[str]:
 SWARM_FLAGS = {
     "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step
     "swarm-dense": ["--compression", "none"],
-    "swarm-h8": local_flags(LOCAL_STEP, 8),
+    "swarm-h8": local_flags({**LOCAL_STEP, "overlap": True}, 8),  # short windows: the round overlapped
     "swarm-h32": local_flags(LOCAL_STEP, 32),
     "swarm-diloco": local_flags(DILOCO, 32),
 }
