@@ -53,7 +53,10 @@ class MembershipShell:
     async def update_map(self) -> None:
         """Re-cut the tables over the live members and fetch the slots we newly own."""
         p = self.peer
-        fetch = await p.table_work(p.tables.set_members, p.members.live_ids(), time.monotonic())
+        live = p.members.live_ids()
+        if not live:  # we have left (we are no live member any more): the map stays as it was
+            return
+        fetch = await p.table_work(p.tables.set_members, live, time.monotonic())
         if fetch:
             p.event("handoff", f"fetching {len(fetch)} slots (view {p.tables.view})")
             p.spawn(p.table_client.fetch(fetch), "handoff")
