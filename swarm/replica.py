@@ -102,6 +102,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _as_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values as ``dtype``: cast to a floating dtype, rounded to the nearest for an integer one."""
+    return v.to(dtype) if dtype.is_floating_point else torch.round(v).to(dtype)
+
+
 def samples_of(batch: Any) -> int:
     """The first dimension of the batch's first tensor (depth first): its sample count."""
     if isinstance(batch, torch.Tensor):
@@ -395,11 +400,8 @@ class Replica:
         for p in self.params:
             p.grad = None
         for name in self.flowing:
-            b, d = self.buffers[name], views[name].to(self.device)
-            if b.dtype.is_floating_point:
-                b.add_(d.to(b.dtype))
-            else:
-                b.add_(torch.round(d).to(b.dtype))
+            b = self.buffers[name]
+            b.add_(_as_dtype(views[name].to(self.device), b.dtype))
 
     # -- local steps (--sync-every H; docs/design.md, "Local steps") ----------------------------
     def use_local_steps(self, cfg: OuterConfig) -> None:
@@ -412,9 +414,8 @@ class Replica:
 
     @torch.no_grad()
     def _flat_local(self) -> torch.Tensor:
-        parts = [p.detach().reshape(-1).float().cpu() for p in self.params]
-        parts += [self.buffers[n].detach().reshape(-1).double().float().cpu() for n in self.flowing]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return self.manifest.flatten({**dict(zip(self.names, self.params)),
+                                      **{n: self.buffers[n] for n in self.flowing}})
 
     @torch.no_grad()
     def _write_local(self, flat: torch.Tensor) -> None:
@@ -423,8 +424,7 @@ class Replica:
             p.copy_(views[name].to(self.device, p.dtype))
         for name in self.flowing:
             b = self.buffers[name]
-            v = views[name].to(self.device)
-            b.copy_(v.to(b.dtype) if b.dtype.is_floating_point else torch.round(v).to(b.dtype))
+            b.copy_(_as_dtype(views[name].to(self.device), b.dtype))
 
     def inner_step(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
                    ) -> tuple[StepStats, dict[str, tuple[np.ndarray, torch.Tensor]]]:
@@ -486,9 +486,7 @@ class Replica:
             t = shared[name].to(p.dtype) if name in shared else p.detach()  # local steps: the global model
             tensors["p." + name] = t.cpu().contiguous()
         for name, b in self.buffers.items():
-            t = b.detach()
-            if name in shared:
-                t = shared[name].to(b.dtype) if b.dtype.is_floating_point else torch.round(shared[name]).to(b.dtype)
+            t = _as_dtype(shared[name], b.dtype) if name in shared else b.detach()
             tensors["b." + name] = t.cpu().contiguous()
         if self.outer is not None:  # the shared vector exactly (a bf16 model rounds it) and the outer momentum
             tensors["w.global"] = self.global_flat.clone()
