@@ -393,25 +393,11 @@ class TableShard:
         x = self._pool.index_select(0, idx)  # [k, 1 + S, dim]: each row with its state, one gather
         row = x[:, 0]
         step = self._step.index_select(0, idx) + 1
-        o = self.opt
-        if o.deltas:
+        new_state = {k: x[:, 1 + i] for i, k in enumerate(self.state_keys)}  # in place on the gathered copy
+        if self.opt.deltas:
             row.sub_(g)
-            new_state = {k: x[:, 1 + i] for i, k in enumerate(self.state_keys)}
-        elif o.kind == "adam":
-            b1, b2 = o.betas
-            m, v = x[:, 1], x[:, 2]  # in place on the gathered copy
-            m.mul_(b1).add_(g, alpha=1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            t = step.to(torch.float64)
-            bc1 = (1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
-            bc2 = (1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
-            row.sub_((m / bc1).div_((v / bc2).sqrt_().add_(o.eps)), alpha=o.lr)
-            new_state = {"m": m, "v": v}
         else:
-            acc = x[:, 1]
-            acc.add_(g * g)
-            row.sub_(o.lr * g / (torch.sqrt(acc) + o.eps))
-            new_state = {"acc": acc}
+            row_step(self.opt, row, new_state, step, g)
         if not all_finite(x):  # name the culprit (the rare path)
             bad = next(name for name, tns in (("rows", row), *new_state.items()) if not all_finite(tns))
             raise ShardError(f"the update makes {bad!r} non-finite (gradient too large)")
@@ -435,6 +421,27 @@ class TableShard:
         for k in self.state_keys:
             self._state[k].index_copy_(0, idx, update[k])
         self._step.index_copy_(0, idx, update["step"])
+
+
+def row_step(o: RowOptConfig, row: torch.Tensor, state: dict[str, torch.Tensor], step: torch.Tensor,
+             g: torch.Tensor) -> None:
+    """One step of the row optimizer, in place on ``row`` [k, dim] and its ``state`` tensors
+    (state_keys(o.kind)), ``step`` the rows' update counts after it (int64 [k], for Adam's bias
+    correction). A primary's shard and a local-step window's working copy (tables/window.py) step
+    rows by this one rule."""
+    if o.kind == "adam":
+        b1, b2 = o.betas
+        m, v = state["m"], state["v"]
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        t = step.to(torch.float64)
+        bc1 = (1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
+        bc2 = (1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
+        row.sub_((m / bc1).div_((v / bc2).sqrt_().add_(o.eps)), alpha=o.lr)
+    else:
+        acc = state["acc"]
+        acc.add_(g * g)
+        row.sub_(o.lr * g / (torch.sqrt(acc) + o.eps))
 
 
 @dataclass(frozen=True)

@@ -21,25 +21,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .shard import RowOptConfig
+from .shard import RowOptConfig, row_step, state_keys
 
 
 @dataclass
 class _Rows:
     """One table's rows of this window, sorted by id."""
     dim: int
+    keys: tuple[str, ...]  # the row optimizer's state tensors (shard.state_keys)
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    rows: torch.Tensor = None  # type: ignore[assignment]
-    m: torch.Tensor = None  # type: ignore[assignment]
-    v: torch.Tensor = None  # type: ignore[assignment]
-    t: torch.Tensor = None  # type: ignore[assignment]  # per-row local step count (Adam's bias correction)
-    orig: torch.Tensor = None  # type: ignore[assignment]  # the rows as pulled
+    rows: torch.Tensor = field(init=False)
+    orig: torch.Tensor = field(init=False)  # the rows as pulled
+    state: dict[str, torch.Tensor] = field(init=False)
+    t: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # local steps per row
     absent: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # never served: no push
 
     def __post_init__(self) -> None:
-        z = torch.zeros(0, self.dim)
-        self.rows, self.m, self.v, self.orig = z, z.clone(), z.clone(), z.clone()
-        self.t = torch.zeros(0, dtype=torch.int64)
+        self.rows, self.orig = torch.zeros(0, self.dim), torch.zeros(0, self.dim)
+        self.state = {k: torch.zeros(0, self.dim) for k in self.keys}
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         pos = np.searchsorted(self.ids, ids)
@@ -58,8 +57,7 @@ class WindowRows:
         self.opt = opt
         self.ratio = ratio
         self.carry_cap = carry_cap  # rows per table the carried deltas may hold (the smallest go first)
-        self.tables = {t: _Rows(d) for t, d in self.dims.items()}
-        self.pulled = 0  # rows pulled this window (each once)
+        self.clear()
         # row deltas not pushed yet (--row-ratio < 1), per table: sorted ids and their deltas; they
         # survive clear() and join the row's next delta (error feedback on the rows)
         self.carry: dict[str, tuple[np.ndarray, torch.Tensor]] = {
@@ -90,8 +88,7 @@ class WindowRows:
             zeros = torch.zeros(len(new), r.dim)
             r.ids = all_ids[order]
             r.rows = torch.cat([r.rows, rows[t].to(torch.float32)]).index_select(0, idx)
-            r.m = torch.cat([r.m, zeros]).index_select(0, idx)
-            r.v = torch.cat([r.v, zeros]).index_select(0, idx)
+            r.state = {k: torch.cat([v, zeros]).index_select(0, idx) for k, v in r.state.items()}
             r.orig = torch.cat([r.orig, rows[t].to(torch.float32)]).index_select(0, idx)
             r.t = torch.cat([r.t, torch.zeros(len(new), dtype=torch.int64)]).index_select(0, idx)
             r.absent = np.concatenate([r.absent, gone])[order]
@@ -106,31 +103,22 @@ class WindowRows:
     def update(self, row_grads: dict[str, tuple[np.ndarray, torch.Tensor]]) -> None:
         """An inner step's row gradients: one step of the row optimizer on the working copy (rows
         that were never served stay zeros)."""
-        b1, b2 = self.opt.betas
         for t, (ids, g) in row_grads.items():
             if not len(ids):
                 continue
             r = self.tables[t]
             pos = r.positions(ids)
             idx = torch.from_numpy(pos)
-            g = g.to(torch.float32)
-            served = torch.from_numpy(~r.absent[pos]).unsqueeze(1)
             step = r.t.index_select(0, idx) + 1
             r.t.index_copy_(0, idx, step)
-            if self.opt.kind == "adam":
-                m = r.m.index_select(0, idx).mul_(b1).add_(g, alpha=1 - b1)
-                v = r.v.index_select(0, idx).mul_(b2).addcmul_(g, g, value=1 - b2)
-                r.m.index_copy_(0, idx, m)
-                r.v.index_copy_(0, idx, v)
-                tt = step.to(torch.float64).unsqueeze(1)
-                bc1 = (1 - b1 ** tt).to(torch.float32)
-                bc2 = (1 - b2 ** tt).to(torch.float32)
-                delta = (m / bc1) / ((v / bc2).sqrt() + self.opt.eps) * self.opt.lr
-            else:  # adagrad
-                acc = r.v.index_select(0, idx).addcmul_(g, g)
-                r.v.index_copy_(0, idx, acc)
-                delta = self.opt.lr * g / (acc.sqrt() + self.opt.eps)
-            r.rows.index_add_(0, idx, -(delta * served))
+            before = r.rows.index_select(0, idx)
+            row = before.clone()
+            state = {k: v.index_select(0, idx) for k, v in r.state.items()}
+            row_step(self.opt, row, state, step, g.to(torch.float32))  # a primary's rule (tables/shard.py)
+            served = torch.from_numpy(~r.absent[pos]).unsqueeze(1)
+            r.rows.index_copy_(0, idx, torch.where(served, row, before))
+            for k, v in state.items():
+                r.state[k].index_copy_(0, idx, v)
 
     def pushes(self, scale: float = 1.0) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
         """The window's push: {table: (ids, deltas)}, each delta the row as pulled minus its working
@@ -162,5 +150,5 @@ class WindowRows:
 
     def clear(self) -> None:
         """A new window: nothing pulled yet."""
-        self.tables = {t: _Rows(d) for t, d in self.dims.items()}
-        self.pulled = 0
+        self.tables = {t: _Rows(d, state_keys(self.opt.kind)) for t, d in self.dims.items()}
+        self.pulled = 0  # rows pulled this window (each once)
