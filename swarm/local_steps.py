@@ -39,8 +39,7 @@ class LocalSteps:
         if peer.sent_through < step:
             if not await self.window(role, step):
                 return  # stopped mid-window: nothing sent, the loop ends
-        last_round = peer.rounds_total != 0 and step + 1 >= peer.rounds_total
-        if self.overlap and not last_round and not peer.stopping:
+        if self.overlap and not peer.is_last_round(step) and not peer.stopping:
             if not await self.window(role, step + 1, ends_step=False):
                 return
         await role.round(step)  # marks "round" and "apply"
@@ -79,7 +78,7 @@ class LocalSteps:
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
         enc: Encoded = await peer.work(self._payload, w)
-        last = peer.rounds_total != 0 and w + 1 >= peer.rounds_total
+        last = peer.is_last_round(w)
         # each peer's row delta counts 1/P, P the contributors: a row's update is the mean over the
         # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
         peers = 1 + sum(1 for m in peer.metas().values() if m.contributor)

@@ -531,8 +531,8 @@ class Peer:
         for pid in self.members.alive_ids(include_self=False):
             m = self.members.get(pid)
             self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
-        while self.book.step < start and not self._stop.is_set() and not (
-                self.rounds_total and self.book.step >= self.rounds_total):  # no round comes after the last
+        while (self.book.step < start and not self._stop.is_set()
+               and not self.is_last_round(self.book.step - 1)):  # no round comes after the last
             exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
             await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
                                                                self.cfg.round_timeout))
@@ -570,9 +570,13 @@ class Peer:
     def next_step(self) -> int | str:
         """What the loop does next, as a plain peer or a host group's leader decides it: STOP (stop()
         was called, or --steps is reached), RESYNC (core.rounds.must_resync), else the step to take."""
-        if self.stopping or (self.rounds_total != 0 and self.book.step >= self.rounds_total):
+        if self.stopping or self.is_last_round(self.book.step - 1):  # the last round is taken
             return STOP
         return RESYNC if self.must_resync() else self.book.step
+
+    def is_last_round(self, step: int) -> bool:
+        """Round ``step`` is the last that --steps stands for (never, without --steps)."""
+        return self.rounds_total != 0 and step + 1 >= self.rounds_total
 
     def must_resync(self) -> bool:
         """Fallen too far behind the swarm, or our replica differs from the majority's."""
@@ -631,7 +635,7 @@ class Peer:
                                                         role.gossips)
                 clock.mark("compute")
                 self.check_finite(stats, step)
-                last = self.cfg.steps != 0 and step + 1 >= self.cfg.steps
+                last = self.is_last_round(step)
                 if last:  # the last rows go out before the last payload (_settle_rows relies on it)
                     await role.push(row_grads, missing, step)
                 if enc is not None:

@@ -16,14 +16,19 @@ __all__ = ["progress_line", "summary", "task_info", "status"]
 def progress_line(peer: "Peer") -> str:
     p = peer.progress
     elapsed = max(1e-9, time.monotonic() - p.started_at)
-    recent = p.losses[-10:]
-    loss = sum(recent) / len(recent) if recent else float("nan")
+    loss = peer.recent_loss()
     ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
     rate = (f"tok/s {p.tokens / elapsed:.0f}" if peer.replica.task.tokens_per_sample
             else f"samples/s {p.samples / elapsed:.1f}")
     return (f"step {peer.position()} loss {loss:.3f} {rate} "
             f"peers {len(peer.members.alive_ids())} sent {sum(peer.counts.sent.values()) / 1e6:.2f}MB "
             f"recv {sum(peer.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
+
+
+def bytes_per_sample(peer: "Peer") -> float | None:
+    """Every byte this peer sent (all kinds) per sample it trained (None before the first)."""
+    p = peer.progress
+    return round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None
 
 
 def summary(peer: "Peer", sketch: list[float]) -> dict:
@@ -35,7 +40,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "steps": peer.position(),  # optimizer steps (with local steps: inner steps)
         "rounds": peer.book.step,
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
-        "bytes_per_sample": round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None,
+        "bytes_per_sample": bytes_per_sample(peer),
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
         "final_loss": sum(tail) / len(tail) if tail else None,
@@ -99,7 +104,7 @@ def status(peer: "Peer") -> dict:
         "inner_step": peer.position(),
         "sync_every": peer.window,
         "overlap": bool(peer.cfg.overlap),
-        "bytes_per_sample": round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None,
+        "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,
         "state": peer.lifecycle.state.value,  # core/lifecycle.py State
         "loss": sum(recent) / len(recent) if recent else None,
