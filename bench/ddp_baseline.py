@@ -68,6 +68,19 @@ def peer_seed(seed: int, peer_id: str) -> int:
     return (seed * 7919 + int.from_bytes(peer_id.encode()[:8], "little")) % (1 << 32)
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every baseline shares with a swarm peer, with the peer's defaults: batch, table
+    rows, learning rates, seed, peer id (its data seed), held-out batches, threads."""
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--table-rows", type=int, default=32768)
+    ap.add_argument("--lr", type=float, default=PeerConfig.lr)
+    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer-id", default="")
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The model size flags (the built-in task's --task-arg d_model/layers/heads/context of peer.py)."""
     ap.add_argument("--d-model", type=int, default=ModelConfig.d_model)
@@ -89,14 +102,7 @@ def main() -> None:
     ap.add_argument("--master", required=True, help="host:port of rank 0's rendezvous store")
     ap.add_argument("--tables", choices=["dense", "sparse"], default="dense")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--table-rows", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's defaults: the same settings
-    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer-id", default="")
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_args(ap)
     add_model_args(ap)
     args = ap.parse_args()
     keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison

@@ -44,9 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from ddp_baseline import TABLE_LR, add_model_args, lr_at, model_config, peer_seed  # noqa: E402
+from ddp_baseline import add_model_args, add_run_args, lr_at, model_config, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
-from swarm.config import PeerConfig  # noqa: E402
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.tasks.bytelm.model import TABLES, SwarmLM  # noqa: E402
 
@@ -126,15 +125,8 @@ def main() -> None:
     ap.add_argument("--initial-peer", action="append", default=[], help="multiaddr of a running peer (repeatable)")
     ap.add_argument("--run-id", default="swarm_wan_hivemind")
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--target-batch-size", type=int, default=None, help="default: batch size x peers")
-    ap.add_argument("--table-rows", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=PeerConfig.lr)  # the peer's (and the DDP baseline's) defaults
-    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer-id", default="")
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_args(ap)
     ap.add_argument("--matchmaking-time", type=float, default=3.0,
                     help="seconds to gather a group (hivemind: 3-5 s for small local runs, 10-15 s over the "
                          "internet); a round not pre-scheduled starts its all-reduce only this long after "

@@ -50,9 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from ddp_baseline import TABLE_LR, add_model_args, lr_at, model_config, peer_seed  # noqa: E402
+from ddp_baseline import add_model_args, add_run_args, lr_at, model_config, peer_seed  # noqa: E402
 from swarm.allocator import keep_freed_memory  # noqa: E402
-from swarm.config import PeerConfig  # noqa: E402
 from swarm.tasks.bytelm.corpus import BatchSampler, load_corpus, val_batches  # noqa: E402
 from swarm.tasks.bytelm.model import TABLES, SwarmLM  # noqa: E402
 
@@ -91,14 +90,7 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--no-nesterov", action="store_true")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--table-rows", type=int, default=32768)
-    ap.add_argument("--lr", type=float, default=PeerConfig.lr)
-    ap.add_argument("--table-lr", type=float, default=TABLE_LR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer-id", default="")
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_args(ap)
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds torchft may take for one quorum or one all-reduce (a dense sync at 1 MB/s "
                          "takes about a minute)")
