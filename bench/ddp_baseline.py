@@ -102,9 +102,15 @@ def main() -> None:
     ap.add_argument("--master", required=True, help="host:port of rank 0's rendezvous store")
     ap.add_argument("--tables", choices=["dense", "sparse"], default="dense")
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--compute-speed", type=float, default=1.0,
+                    help="compute at this fraction of this rank's speed, as peer.py's flag: after each step's "
+                         "forward/backward, repeat it outside DDP (no communication, gradients discarded) for "
+                         "(1/F - 1) x the calibrated forward/backward time (bench/wan.py --slow-peer)")
     add_run_args(ap)
     add_model_args(ap)
     args = ap.parse_args()
+    if not 0 < args.compute_speed <= 1:
+        ap.error(f"--compute-speed must be in (0, 1], got {args.compute_speed}")
     keep_freed_memory()  # as peer.py does: the same allocator behaviour on both sides of the comparison
     torch.set_num_threads(args.threads)
 
@@ -158,6 +164,8 @@ def main() -> None:
         topt.step()
         opt.zero_grad(set_to_none=True)
         topt.zero_grad(set_to_none=True)
+        if args.compute_speed < 1:
+            _rehearse(model, batch, time.perf_counter() + local_fwd_bwd * (1 / args.compute_speed - 1))
         t2 = time.perf_counter()
         comm = max(0.0, (t1 - t0) - local_fwd_bwd)
         compute = (t2 - t0) - comm
@@ -178,6 +186,18 @@ def main() -> None:
     print(json.dumps({"rank": args.rank, "tables": args.tables, "steps": args.steps, "val_loss": val_loss,
                       "train_seconds": round(train_seconds, 3), "compute_s": round(compute_total, 3), "local_fwd_bwd_s": round(local_fwd_bwd, 4),
                       "comm_s": round(comm_total, 3), "dense_params": n_dense, "table_params": n_table}), flush=True)
+
+
+def _rehearse(model: nn.Module, batch: torch.Tensor, until: float) -> None:
+    """--compute-speed: forward/backward of `batch` through the bare module (not DDP: no hooks, no
+    communication) until about `until`, the gradients returned and dropped (nothing accumulates).
+    A pass starts only while more than half a pass is left (a plain `while now < until` overshoots
+    by up to a whole pass: F = 0.5 then took ~2.8x, not 2x, the step's time)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    t, last = time.perf_counter(), 0.0
+    while t + last / 2 < until:
+        torch.autograd.grad(model.loss(batch), params, allow_unused=True)
+        t, last = time.perf_counter(), time.perf_counter() - t
 
 
 def _ddp_loss(ddp: DDP, batch: torch.Tensor) -> torch.Tensor:

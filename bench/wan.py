@@ -8,8 +8,26 @@ N peers (default 4), each in its own network namespace, joined by veth pairs to 
 namespace (10.77.0.0/24, addresses exist only inside these namespaces). Every peer's link is shaped
 with `tc tbf` in both directions (its veth egress = upload, the hub side = download), to each
 --rate in turn (default 80mbit ~ 10 MB/s, then 8mbit ~ 1 MB/s): the same veths are re-shaped in
-place (`tc qdisc replace`), unshaped = the qdisc removed. There is no netem in this kernel, and the
-one-way delay option is NOT implemented (--delay-ms > 0 is refused, not ignored).
+place (`tc qdisc replace`), unshaped = the qdisc removed.
+
+--delay-ms D: a one-way delay of D ms between any two peers (RTT 2D). There is no netem in this
+kernel, so each link is then two TAP devices (`wan0` in the peer, `vp{i}` on the bridge, MTU 64000,
+tbf on both as above) joined by one user-space process, bench/delayline.c (built with gcc at start),
+that holds every frame TOWARD a peer D ms and passes frames from it at once: a packet between two
+peers crosses exactly one delay, the receiver's (FIFO per direction, so order is kept; at most 32 MB
+held per link, more is dropped and counted). Every method's traffic crosses it alike. At start and
+at each rate a ping p0 -> p1 is printed (bench/delayline_ping.py; "ping_rtt_ms" in the last line),
+and every run prints the delay line's CPU (user + sys) over it ("delay_line_cpu"). --delay-line: the
+TAP path also at D = 0 (to measure what it costs against the veths).
+
+--slow-peer F: the last peer computes at F of its speed and keeps its CPU share (peer.py and
+bench/ddp_baseline.py --compute-speed F: the forward/backward repeated, the extra passes thrown
+away); in DDP every rank then waits for it. Hivemind and torchft are not run then (their baselines
+have no such knob). The floor runs with it too (same contention); its step time is the fast peers'.
+The last line adds "fast_peer_wait_share" {rate: {method: share}}: the fast peers' share of step
+time spent waiting on others (swarm: their step_phases' wait_share, "rows" + "round"; DDP: the
+backward time beyond the same under no_sync, from each rank's step lines), and the slow peer's
+samples ("slow_peer_samples", "samples_by_peer") to show its samples still count.
 
 On the same model (--model: SwarmLM at a preset size), data (stdlib corpus), seed, per-peer batch
 and sample budget (--steps inner steps x --batch-size x N), one after another:
@@ -100,6 +118,8 @@ Writes a results JSON (--out) and a plot (--plot); the LAST stdout line is one J
     sudo python3 bench/wan.py                          # the default set, both rates, 224 steps (~50 min)
     sudo python3 bench/wan.py --model big              # 5.1M dense parameters, batch 4 (~80 min, see below)
     sudo python3 bench/wan.py --only ddp-dense --only swarm-h32 --steps 64 --rate 8mbit
+    sudo python3 bench/wan.py --delay-ms 50 --rate 80mbit --only swarm --only ddp-dense --only ddp-sparse
+    sudo python3 bench/wan.py --slow-peer 0.5 --rate 80mbit --only swarm --only ddp-dense --only ddp-sparse
 
 Sizing (4 peers on this 2-core machine, small model, seconds per step measured on short runs at
 80mbit / 8mbit; a swarm run adds ~20 s of start, evaluation and linger, a baseline ~10-40 s):
@@ -128,6 +148,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import delayline  # noqa: E402  (bench/delayline.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
@@ -359,6 +382,67 @@ def wait_share(step_s: float | None, floor_s: float | None) -> float | None:
     if step_s is None or floor_s is None or step_s <= 0:
         return None
     return round(max(0.0, 1.0 - floor_s / step_s), 3)
+
+
+# ----------------------------------------------------------------------------- a slow peer, a delay (tested)
+
+
+def slow_flags(slow_peer: float | None, i: int, n: int) -> list[str]:
+    """`--compute-speed F` for the slow peer (the last of n, with --slow-peer F), nothing for the others."""
+    return ["--compute-speed", f"{slow_peer:g}"] if slow_peer is not None and i == n - 1 else []
+
+
+def check_options(delay_ms: float, slow_peer: float | None, peers: int) -> list[str]:
+    """The problems of --delay-ms / --slow-peer (one line each), [] when they are fine."""
+    out = []
+    if not (0 <= delay_ms <= 1000) or not math.isfinite(delay_ms):
+        out.append(f"--delay-ms must be in [0, 1000] (one-way, ms), got {delay_ms:g}")
+    if slow_peer is not None:
+        if not (0 < slow_peer <= 1) or not math.isfinite(slow_peer):
+            out.append(f"--slow-peer must be in (0, 1], got {slow_peer:g}")
+        if peers < 2:
+            out.append("--slow-peer needs at least 2 peers (one of them slow)")
+    return out
+
+
+def has_compute_speed(help_text: str) -> bool:
+    """Does `peer.py --help` offer --compute-speed (the slow-peer knob)?"""
+    return "--compute-speed" in help_text
+
+
+def fast_slow_split(summaries: list[dict], slow_id: str | None) -> tuple[list[dict], dict | None]:
+    """(the fast peers' summaries, the slow peer's or None), by `peer_id`; without a slow peer
+    every peer is fast."""
+    slow = next((s for s in summaries if slow_id is not None and s.get("peer_id") == slow_id), None)
+    return [s for s in summaries if s is not slow], slow
+
+
+def peer_wait_share(summaries: list[dict]) -> float | None:
+    """Mean over these peers of the share of step time spent waiting on other peers (their
+    step_phases' wait_share: the "rows" and "round" phases, swarm/steptimes.py)."""
+    shares = [w for s in summaries if (w := (s.get("step_phases") or {}).get("wait_share")) is not None]
+    return round(sum(shares) / len(shares), 3) if shares else None
+
+
+def rank_wait_shares(records: list[list[dict]]) -> list[float | None]:
+    """Per DDP rank (its step records, bench/ddp_baseline.py), the measured wait share: comm_s /
+    (compute_s + comm_s) over its steps (comm = fwd+bwd time beyond the same under no_sync). From
+    the step lines, so a timing run that was stopped (no summary) has it too."""
+    out = []
+    for recs in records:
+        comp = sum(r.get("compute_s") or 0.0 for r in recs)
+        comm = sum(r.get("comm_s") or 0.0 for r in recs)
+        out.append(round(comm / (comp + comm), 3) if comp + comm > 0 else None)
+    return out
+
+
+def line_cpu(cpu_s: float | None, seconds: float, steps: int | None) -> dict | None:
+    """The delay line's CPU over one run: seconds, share of one core over the run's wall time,
+    milliseconds per (inner) step."""
+    if cpu_s is None:
+        return None
+    return {"cpu_s": round(cpu_s, 3), "core_share": round(cpu_s / seconds, 4) if seconds > 0 else None,
+            "cpu_ms_per_step": round(cpu_s * 1000 / steps, 2) if steps else None}
 
 
 # ----------------------------------------------------------------------------- methods, budgets, rates (tested)
@@ -742,12 +826,19 @@ def sh(*cmd: str, check: bool = True) -> str:
 
 
 class Wan:
-    """Hub namespace with a bridge; one namespace per peer with `wan0` = 10.77.0.(i+1)/24, shaped."""
+    """Hub namespace with a bridge; one namespace per peer with `wan0` = 10.77.0.(i+1)/24, shaped.
 
-    def __init__(self, n: int, rate: str | None, tag: str):
-        self.n, self.rate, self.tag = n, rate, tag
+    Without a delay: veth pairs (`wan0` in the peer, `vp{i}` on the bridge). With `delay_ms` > 0 (or
+    `tap`): two TAP devices per link with the same names, joined by the delay line
+    (bench/delayline.py), which holds every frame toward a peer `delay_ms`: RTT = 2 x delay_ms. The
+    TAPs and the bridge then have MTU delayline.MTU. Either way tbf shapes both directions."""
+
+    def __init__(self, n: int, rate: str | None, tag: str, delay_ms: float = 0.0, tap: bool = False):
+        self.n, self.rate, self.tag, self.delay_ms = n, rate, tag, delay_ms
+        self.tap = tap or delay_ms > 0
         self.hub = f"{tag}-hub"
         self.ns = [f"{tag}-p{i}" for i in range(n)]
+        self.line: delayline.DelayLine | None = None
 
     def ip(self, i: int) -> str:
         return f"10.77.0.{i + 1}"
@@ -757,19 +848,27 @@ class Wan:
         sh("ip", "-n", self.hub, "link", "set", "lo", "up")
         sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.ns):
+        for ns in self.ns:
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", self.hub, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "wan0", "netns", ns)
-            sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "master", "br0")
+        if self.tap:
+            self.line = delayline.DelayLine(self.delay_ms, [delayline.Link(ns, "wan0", self.hub, f"vp{i}")
+                                                            for i, ns in enumerate(self.ns)])
+            self.line.start()
+        for i, ns in enumerate(self.ns):
+            mtu = ["mtu", str(delayline.MTU)] if self.tap else []
+            if not self.tap:
+                sh("ip", "-n", self.hub, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "wan0", "netns", ns)
+            sh("ip", "-n", self.hub, "link", "set", f"vp{i}", *mtu, "master", "br0")
             sh("ip", "-n", self.hub, "link", "set", f"vp{i}", "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "wan0")
-            sh("ip", "-n", ns, "link", "set", "wan0", "up")
+            sh("ip", "-n", ns, "link", "set", "wan0", *mtu, "up")
         self.shape(self.rate)
 
     def shape(self, rate: str | None) -> None:
-        """Every link shaped to `rate` (tbf, each direction: the peer's veth egress = upload, the hub
-        side = download), re-shaping the existing veths in place; None: unshaped."""
+        """Every link shaped to `rate` (tbf, each direction: the peer's `wan0` egress = upload, the hub
+        side = download), re-shaping the existing devices in place; None: unshaped. (The burst, 64kb,
+        holds one frame of the delay line's MTU.)"""
         for i, ns in enumerate(self.ns):
             for where, dev in ((ns, "wan0"), (self.hub, f"vp{i}")):  # upload, download
                 if rate is None:
@@ -779,7 +878,19 @@ class Wan:
                        "rate", rate, "burst", "64kb", "latency", "50ms")
         self.rate = rate
 
+    def ping(self, src: int = 0, dst: int = 1, count: int = 6) -> dict | None:
+        """Round trips from peer `src` to peer `dst` (bench/delayline_ping.py): {median_ms, ...}."""
+        r = subprocess.run([*self.exec(src), *PY, str(delayline.PING), self.ip(dst), "--count", str(count)],
+                           capture_output=True, text=True, timeout=count * 4 + 10)
+        return delayline.parse_ping(r.stdout)
+
+    def line_cpu_s(self) -> float | None:
+        """The delay line's CPU seconds so far (None without one)."""
+        return self.line.cpu_s() if self.line else None
+
     def down(self) -> None:
+        if self.line is not None:
+            self.line.stop()
         for ns in [*self.ns, self.hub]:
             sh("ip", "netns", "del", ns, check=False)
 
@@ -861,12 +972,15 @@ PY = [sys.executable]
 def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> list[str]:
     return [*PY, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(steps),
             "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags, *extra]
+            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags,
+            *slow_flags(getattr(a, "slow_peer", None), i, a.peers), *extra]
 
 
 def run_floor(wan: Wan, a, k: int, log: Path, method: str | None = None) -> dict:
     """k single peers at once, each alone in its namespace on its loopback: compute only. With a
-    swarm method, its flags (a local-step method's floor: its own windows, nobody to talk to)."""
+    swarm method, its flags (a local-step method's floor: its own windows, nobody to talk to).
+    With --slow-peer the last of the N is slow here too (the same CPU contention as the runs), and
+    the floor's step time is the fast peers' (the slow one's is `slow_peer_step_time_s`)."""
     flags = SWARM_FLAGS[method] if method else []
     procs = [Proc([*wan.exec(i), *peer_argv(a, i, "127.0.0.1", 0, a.steps, flags)],
                   log=log / f"floor{k}{'-' + method if method else ''}-p{i}.err") for i in range(k)]
@@ -876,9 +990,14 @@ def run_floor(wan: Wan, a, k: int, log: Path, method: str | None = None) -> dict
         pts, summ = parse_peer_lines(p.lines)
         curves.append(merge_curves([pts]))
         vals.append(summ.get("val_loss") if summ else None)
-    steps = [st for c in curves if (st := step_time(c)) is not None]
-    return {"step_time_s": sum(steps) / len(steps) if steps else None, "curve": curves[0] if curves else [],
-            "val_loss": _mean([v for v in vals if v is not None])}
+    per_peer = [step_time(c) for c in curves]
+    slow = getattr(a, "slow_peer", None) is not None and k == a.peers
+    steps = [st for st in (per_peer[:-1] if slow else per_peer) if st is not None]
+    out = {"step_time_s": sum(steps) / len(steps) if steps else None, "curve": curves[0] if curves else [],
+           "val_loss": _mean([v for v in vals if v is not None])}
+    if slow:
+        out.update(slow_peer_step_time_s=per_peer[-1], peer_step_times_s=per_peer)
+    return out
 
 
 def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, target: float | None = None) -> dict:
@@ -931,9 +1050,25 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
            "sync_every": [s.get("sync_every") for s in summaries],
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
-           "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries])}
+           "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries]),
+           **peer_split(summaries, wan.n, getattr(a, "slow_peer", None))}
     if steps > a.steps:
         out.update(max_steps=steps, stopped_at_step=stopped_at, val_loss_at_end=val_end)
+    return out
+
+
+def peer_split(summaries: list[dict], n: int, slow_peer: float | None) -> dict:
+    """What the fast peers waited and what each peer trained: `fast_peer_wait_share` (the mean wait
+    share of the peers that are not slow: all of them without --slow-peer), `samples_by_peer`
+    {peer_id: samples}, and with a slow peer its samples and wait share."""
+    slow_id = f"p{n - 1}" if slow_peer is not None else None
+    fast, slow = fast_slow_split(summaries, slow_id)
+    out = {"fast_peer_wait_share": peer_wait_share(fast),
+           "samples_by_peer": {s.get("peer_id"): s.get("samples") for s in summaries}}
+    if slow_id is not None:
+        out.update(slow_peer_id=slow_id, slow_peer_samples=slow.get("samples") if slow else None,
+                   slow_peer_steps_contributed=slow.get("steps_contributed") if slow else None,
+                   slow_peer_wait_share=peer_wait_share([slow]) if slow else None)
     return out
 
 
@@ -957,7 +1092,8 @@ def run_ddp(wan: Wan, a, tables: str, log: Path, steps: int, enough=None) -> dic
         argv = [*wan.exec(i), *PY, str(ROOT / "bench" / "ddp_baseline.py"), "--rank", str(i), "--world", str(wan.n),
                 "--master", f"{wan.ip(0)}:29500", "--tables", tables, "--steps", str(steps),
                 "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-                "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags]
+                "--peer-id", f"p{i}", "--threads", "1", *a.base_model_flags,
+                *slow_flags(getattr(a, "slow_peer", None), i, wan.n)]
         procs.append(Proc(argv, env={"GLOO_SOCKET_IFNAME": "wan0"}, log=log / f"{name}-{wan.rate or 'unshaped'}-p{i}.err"))
     return collect_baseline(wan, a, procs, tx0, enough)[0]
 
@@ -984,10 +1120,13 @@ def collect_baseline(wan: Wan, a, procs: list[Proc], tx0: list[int],
     summaries = [s for _, s, _ in parsed if s]
     measured_wait = [s["comm_s"] / (s["compute_s"] + s["comm_s"]) for s in summaries
                      if s.get("compute_s", 0) + s.get("comm_s", 0) > 0]
+    ranks = rank_wait_shares([raw for _, _, raw in parsed])
+    fast = [w for w in (ranks[:-1] if getattr(a, "slow_peer", None) is not None else ranks) if w is not None]
     return {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
             "val_loss": _mean([s["val_loss"] for s in summaries]), "step_time_s": step_time(curve),
             "steps": curve[-1][0] if curve else 0,
-            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None}, summaries
+            "measured_wait_share": round(_mean(measured_wait), 3) if measured_wait else None,
+            "rank_wait_shares": ranks, "fast_peer_wait_share": round(_mean(fast), 3) if fast else None}, summaries
 
 
 def probe_hivemind(python: str, module: str = "hivemind") -> tuple[str | None, str | None]:
@@ -1182,6 +1321,51 @@ def _f(v, d: int) -> str:
 # ----------------------------------------------------------------------------- main
 
 
+def peer_help() -> str:
+    """`peer.py --help` (to see whether it has --compute-speed)."""
+    r = subprocess.run([*PY, str(ROOT / "peer.py"), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return r.stdout
+
+
+def report_ping(wan: Wan, delay_ms: float) -> dict | None:
+    """Ping p0 -> p1 now, print it against the configured RTT, return bench/delayline.parse_ping's dict."""
+    res = wan.ping(0, 1)
+    got = "no reply" if res is None else (f"median {res['median_ms']:.2f} ms (min {res['min_ms']:.2f}, "
+                                          f"max {res['max_ms']:.2f}, {res['replies']}/{res['sent']} replies)")
+    print(f"ping p0 -> p1 at {wan.rate or 'unshaped'}: {got}; configured RTT {2 * delay_ms:g} ms", flush=True)
+    return res
+
+
+def link_figures(a, wan: Wan, pings: dict[str, dict | None], line_cpu_runs: dict, cpu0: float | None,
+                 cpu1: float | None, seconds: float, per_rate: dict[str, dict[str, dict]]) -> dict:
+    """The last line's keys about the links and the slow peer: the delay (configured RTT, the
+    measured ping, the delay line's CPU per run and over the whole benchmark, its counters) and,
+    per rate and method, the fast peers' wait share and the slow peer's samples."""
+    first = next(iter(pings.values()), None) if pings else None
+    out: dict = {
+        "delay_ms": a.delay_ms, "rtt_configured_ms": 2 * a.delay_ms,
+        "ping_rtt_ms": None if first is None else first["median_ms"],
+        "ping_rtt_ms_by_rate": {r: None if p is None else p["median_ms"] for r, p in pings.items()},
+        "delay_line": None if wan.line is None else {
+            "how": f"TAP pair per link, frames toward the peer held {a.delay_ms:g} ms (bench/delayline.c)",
+            "mtu": delayline.MTU, "queue_bytes": delayline.QUEUE_BYTES, "sched": wan.line.sched,
+            "counters": wan.line.counters,
+            "cpu_s_total": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2),
+            "core_share_total": None if cpu0 is None or cpu1 is None or seconds <= 0 else round((cpu1 - cpu0) / seconds, 4)},
+        "delay_line_cpu": line_cpu_runs,
+        "slow_peer": a.slow_peer,
+        "fast_peer_wait_share": {r: {m: run.get("fast_peer_wait_share") for m, run in runs.items()}
+                                 for r, runs in per_rate.items()},
+    }
+    if a.slow_peer is not None:
+        out["slow_peer_id"] = f"p{a.peers - 1}"
+        out["slow_peer_samples"] = {r: {m: run.get("slow_peer_samples") for m, run in runs.items()
+                                        if "slow_peer_samples" in run} for r, runs in per_rate.items()}
+        out["samples_by_peer"] = {r: {m: run.get("samples_by_peer") for m, run in runs.items()
+                                      if "samples_by_peer" in run} for r, runs in per_rate.items()}
+    return out
+
+
 def run_method(wan: Wan, a, m: str, log: Path, steps: int, target: float | None, pythons: dict,
                enough=None) -> dict:
     if m in SWARM_FLAGS:
@@ -1206,7 +1390,14 @@ def main() -> int:
     ap.add_argument("--timing-seconds", type=float, default=100.0,
                     help="a timing run also ends after this many seconds past step 1 once it has 3 steps "
                          "(torchft: one sync window); dense DDP takes about a minute a step at 8mbit")
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay: NOT implemented (no netem here)")
+    ap.add_argument("--delay-ms", type=float, default=0.0,
+                    help="one-way delay between any two peers, ms (RTT = 2x): every link's frames toward its peer are "
+                         "held this long by a user-space TAP delay line (bench/delayline.c; no netem here)")
+    ap.add_argument("--delay-line", action="store_true",
+                    help="use the TAP delay line also at --delay-ms 0 (to measure its own cost against the veths)")
+    ap.add_argument("--slow-peer", type=float, default=None, metavar="F",
+                    help="the last peer computes at F (0 < F <= 1) of its speed, keeping its CPU share (peer.py and "
+                         "bench/ddp_baseline.py --compute-speed F); hivemind and torchft-diloco are then not run")
     ap.add_argument("--model", choices=sorted(MODELS), default="small",
                     help="model preset (small: the built-in size; big: 5.1M dense parameters, small tables, batch 4)")
     ap.add_argument("--steps", type=int, default=224,
@@ -1256,8 +1447,9 @@ def main() -> int:
     problems = [p for p in (check_budget(a.steps, methods),) if p]
     if a.step_repeats < 1:
         problems.append("--step-repeats must be at least 1")
-    if a.delay_ms > 0:
-        problems.append("--delay-ms is not implemented: this kernel has no netem and no delay relay exists yet")
+    problems += check_options(a.delay_ms, a.slow_peer, a.peers)
+    if a.slow_peer is not None and not problems and not has_compute_speed(peer_help()):
+        problems.append("--slow-peer needs peer.py --compute-speed, which this peer.py does not have yet")
     if a.timing_steps < 3:
         problems.append("--timing-steps must be at least 3")
     if problems:
@@ -1284,9 +1476,18 @@ def main() -> int:
                 print(f"{m} skipped: {why}", flush=True)
             else:
                 notes[key] = {"version": version, "python": pythons[key]}
+    if a.slow_peer is not None:
+        for m, key in (("hivemind", "hivemind"), ("torchft-diloco", "torchft")):
+            if m in methods:
+                methods.remove(m)
+                notes[key] = "skipped: --slow-peer (its baseline has no --compute-speed)"
+                print(f"{m} skipped: --slow-peer (its baseline has no --compute-speed)", flush=True)
     steps_plan = plan(methods, rates, full_rate, local, a.step_repeats)
     t_start = time.time()
-    wan = Wan(a.peers, full_rate, f"swwan{os.getpid()}")
+    wan = Wan(a.peers, full_rate, f"swwan{os.getpid()}", a.delay_ms, a.delay_line)
+    pings: dict[str, dict | None] = {}
+    line_cpu_runs: dict[str, dict[str, dict | None]] = {}
+    cpu_total0 = None
     full: dict[str, dict] = {}
     per_rate: dict[str, dict[str, dict]] = {r: {} for r in rates}
     pairs: dict[str, list[tuple[float, float]]] = {r: [] for r in rates}
@@ -1295,14 +1496,23 @@ def main() -> int:
     solo = floor = last_floor = {}
     try:
         wan.up()
+        cpu_total0 = wan.line_cpu_s()
         print(f"namespaces up: {a.peers} peers; model {a.model}, steps {a.steps}, batch {a.batch_size}/peer, table rows "
               f"{a.table_rows}; rates {', '.join(rates)}; synchronous baselines' budget at {full_rate or 'unshaped'}; "
-              f"{len(steps_plan)} runs", flush=True)
+              f"{len(steps_plan)} runs" + (f"; slow peer p{a.peers - 1} at {a.slow_peer:g}" if a.slow_peer else ""),
+              flush=True)
+        if wan.line is not None:
+            print(f"delay line: one-way {a.delay_ms:g} ms toward each peer (configured RTT {2 * a.delay_ms:g} ms), "
+                  f"TAP MTU {delayline.MTU}, scheduling {wan.line.sched}", flush=True)
+        pings[wan.rate or "unshaped"] = report_ping(wan, a.delay_ms)
         for kind, m, r in steps_plan:
             if kind != "floor-solo" and (kind == "full" or r is not None) and wan.rate != r:
                 wan.shape(r)
                 print(f"links now {r or 'unshaped'}", flush=True)
+                if (r or "unshaped") not in pings:
+                    pings[r or "unshaped"] = report_ping(wan, a.delay_ms)
             t0 = time.time()
+            cpu0 = wan.line_cpu_s()
             if kind == "floor-solo":
                 res = solo = run_floor(wan, a, 1, log)
             elif kind == "floor":
@@ -1337,7 +1547,16 @@ def main() -> int:
                 if m == local and res.get("step_time_s") and last_floor.get("step_time_s"):
                     pairs[r].append((last_floor["step_time_s"], res["step_time_s"]))
             secs = time.time() - t0
-            durations.append({"kind": kind, "method": m, "rate": r or "unshaped", "seconds": round(secs, 1)})
+            cpu1 = wan.line_cpu_s()
+            lc = line_cpu(None if cpu0 is None or cpu1 is None else cpu1 - cpu0, secs, res.get("steps"))
+            durations.append({"kind": kind, "method": m, "rate": r or "unshaped", "seconds": round(secs, 1),
+                              **({"delay_line_cpu": lc} if lc else {})})
+            if lc and kind not in ("pair",):
+                line_cpu_runs.setdefault(r or "unshaped", {})[m if kind not in ("floor", "floor-solo") else
+                                                                f"{kind}{'-' + m if m else ''}"] = lc
+            if kind == "timing":
+                per_rate[r][m].update(fast_peer_wait_share=res.get("fast_peer_wait_share"),
+                                      rank_wait_shares=res.get("rank_wait_shares"))
             what = f"{kind} {m or 'floor'}" + (f" at {r or 'unshaped'}" if kind not in ("floor-solo",) else "")
             if kind in ("floor-solo", "floor"):
                 print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {secs:.0f} s", flush=True)
@@ -1347,12 +1566,22 @@ def main() -> int:
                       f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s", flush=True)
                 if res.get("step_phases_ms"):
                     print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
+                if a.slow_peer is not None:
+                    print(f"  fast peers' wait share {_f(res.get('fast_peer_wait_share'), 3)}; slow peer "
+                          f"{res.get('slow_peer_id', f'p{a.peers - 1}')}: samples {res.get('slow_peer_samples', '-')} "
+                          f"(all: {res.get('samples_by_peer', '-')}), wait share {_f(res.get('slow_peer_wait_share'), 3)}",
+                          flush=True)
+            if lc:
+                per_step = f", {lc['cpu_ms_per_step']:.1f} ms/step" if lc.get("cpu_ms_per_step") else ""
+                print(f"  delay line CPU {lc['cpu_s']:.2f} s ({100 * (lc['core_share'] or 0):.1f}% of one core{per_step})",
+                      flush=True)
                 if m == "hivemind" and isinstance(notes["hivemind"], dict):
                     notes["hivemind"].update(res.get("health") or {})
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         kill_all()
+        cpu_total1 = wan.line_cpu_s()
         wan.down()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -1384,6 +1613,7 @@ def main() -> int:
         by_rate={r: summarize(runs, floor_s, solo.get("step_time_s"), target) for r, runs in per_rate.items()},
         torchft=notes["torchft"], hivemind=notes["hivemind"], run_seconds=durations,
         seconds=round(time.time() - t_start, 1))
+    result.update(link_figures(a, wan, pings, line_cpu_runs, cpu_total0, cpu_total1, time.time() - t_start, per_rate))
     for r, runs in per_rate.items():
         print(table(runs, floor, target, a, r, full_rate) + "\n")
     print(f"target loss {_f(target, 4)} ({target_from}); samples per step {a.batch_size * a.peers}; compute floor "

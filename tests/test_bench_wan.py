@@ -411,3 +411,155 @@ def test_the_table_says_which_rows_were_timed_and_which_missed_the_target():
     assert "timed 4 steps here; loss of its budget at unshaped" in rows["ddp-dense"]
     assert ">= 20.0 (missed)" in rows["swarm-h32"] and "up to 448 steps" in rows["swarm-h32"]
     assert "its budget here" in rows["swarm"] and "| 5.0 |" in rows["swarm"]
+
+
+# ----------------------------------------------------------------------------- the delay line and the slow peer
+
+dl = wan.delayline  # bench/delayline.py, as bench/wan.py imports it
+_PING = Path(__file__).resolve().parent.parent / "bench" / "delayline_ping.py"
+_pspec = importlib.util.spec_from_file_location("bench_delayline_ping", _PING)
+dping = importlib.util.module_from_spec(_pspec)
+_pspec.loader.exec_module(dping)
+
+
+def test_delay_line_command_line_and_link_names():
+    links = [dl.Link("swwan1-p0", "wan0", "swwan1-hub", "vp0"), dl.Link("swwan1-p1", "wan0", "swwan1-hub", "vp1")]
+    argv = dl.argv("/tmp/x/delayline", 50, links, 1 << 20)
+    assert argv == ["/tmp/x/delayline", "50000", "1048576", "/run/netns/swwan1-p0:wan0:/run/netns/swwan1-hub:vp0",
+                    "/run/netns/swwan1-p1:wan0:/run/netns/swwan1-hub:vp1"]
+    assert dl.argv("d", 0.25, links[:1])[1] == "250"  # microseconds
+    for bad in (dl.Link("a:b", "wan0", "hub", "vp0"), dl.Link("ns", "x" * 16, "hub", "vp0"),
+                dl.Link("ns", "wan0", "../hub", "vp0"), dl.Link("ns", "wan0", "hub", "")):
+        with pytest.raises(ValueError):
+            bad.arg()
+    with pytest.raises(ValueError):
+        dl.argv("d", -1, links)
+    with pytest.raises(ValueError):
+        dl.argv("d", 5, [])
+
+
+def test_delay_line_output_and_proc_stat_parsing():
+    assert dl.parse_ready("ready sched=fifo\n") == "fifo"
+    assert dl.parse_ready("ready sched=other") == "other"
+    assert dl.parse_ready("delayline: TUNSETIFF wan0: Operation not permitted") is None
+    assert dl.parse_ready("") is None
+    text = "ready sched=fifo\nframes_up 10 frames_down 12 bytes_up 1000 bytes_down 1200 dropped 1\n"
+    assert dl.parse_counters(text) == {"frames_up": 10, "frames_down": 12, "bytes_up": 1000, "bytes_down": 1200,
+                                       "dropped": 1}
+    assert dl.parse_counters("ready sched=fifo\n") is None
+    assert dl.parse_counters("frames_up x frames_down 1 bytes_up 1 bytes_down 1 dropped 1") is None
+    # /proc/PID/stat: utime and stime are fields 14 and 15; the name may hold spaces and ')'
+    stat = "4242 (a b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 12345 1000 10"
+    assert dl.cpu_seconds(stat, 100) == pytest.approx(3.0)
+    assert dl.cpu_seconds("garbage", 100) is None
+    assert dl.cpu_seconds("1 (x) S 1 2 3", 100) is None
+
+
+def test_ping_output_is_parsed_and_the_echo_request_has_a_valid_checksum():
+    out = ("reply from 10.77.0.2: seq 1 time 201.90 ms\nreply from 10.77.0.2: seq 2 time 100.41 ms\n"
+           "rtt min/avg/median/max = 100.34/117.31/100.41/201.90 ms, 6/6 replies\n")
+    assert dl.parse_ping(out) == {"min_ms": 100.34, "avg_ms": 117.31, "median_ms": 100.41, "max_ms": 201.9,
+                                  "replies": 6, "sent": 6}
+    assert dl.parse_ping("rtt none, 0/6 replies\n") is None
+    assert dl.parse_ping("") is None
+    pkt = dping.echo_request(0x1234, 7)
+    assert pkt[0] == 8 and dping.checksum(pkt) == 0  # a packet with its checksum in sums to 0
+    assert dping.checksum(b"\x00\x01\xf2") == dping.checksum(b"\x00\x01\xf2\x00")  # odd length padded
+
+
+def test_the_delay_line_source_compiles_and_refuses_bad_arguments(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    binary = dl.build(tmp_path)
+    r = subprocess.run([str(binary)], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2 and "usage" in r.stderr
+    r = subprocess.run([str(binary), "5000", "10", "x:y:z:w"], capture_output=True, text=True, timeout=10)
+    assert r.returncode == 2 and "bad arguments" in r.stderr  # a queue smaller than one frame
+
+
+def test_delay_and_slow_peer_options_are_checked():
+    assert wan.check_options(0, None, 4) == []
+    assert wan.check_options(50, 0.5, 4) == []
+    assert wan.check_options(25, 1.0, 2) == []
+    assert "--delay-ms" in wan.check_options(-1, None, 4)[0]
+    assert "--delay-ms" in wan.check_options(float("nan"), None, 4)[0]
+    assert "--slow-peer" in wan.check_options(0, 0.0, 4)[0]
+    assert "--slow-peer" in wan.check_options(0, 1.5, 4)[0]
+    assert "at least 2 peers" in wan.check_options(0, 0.5, 1)[0]
+    assert wan.slow_flags(0.5, 3, 4) == ["--compute-speed", "0.5"]
+    assert wan.slow_flags(0.5, 0, 4) == [] and wan.slow_flags(None, 3, 4) == []
+    assert wan.has_compute_speed("  --compute-speed COMPUTE_SPEED  for tests")
+    assert not wan.has_compute_speed("usage: peer.py [-h]")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--delay-ms", "-5"], "--delay-ms must be in [0, 1000]"),
+    (["--slow-peer", "2"], "--slow-peer must be in (0, 1]"),
+    (["--slow-peer", "0.5"], "peer.py --compute-speed"),
+])
+def test_bad_delay_or_slow_peer_is_one_line_and_exit_2(monkeypatch, capsys, argv, want):
+    monkeypatch.setattr(wan, "root_check", lambda: None)
+    monkeypatch.setattr(wan, "peer_help", lambda: "usage: peer.py [-h]")  # a peer.py without the knob
+    monkeypatch.setattr(sys, "argv", ["wan.py", "--only", "swarm", "--steps", "8", *argv])
+    called = []
+    monkeypatch.setattr(wan, "sh", lambda *a, **k: called.append(a))
+    assert wan.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0]
+    assert called == []
+
+
+def _summary(pid, samples, wait):
+    return {"peer_id": pid, "samples": samples, "steps_contributed": samples // 16,
+            "step_phases": {"steps": 10, "wait_share": wait}}
+
+
+def test_fast_peer_wait_share_leaves_the_slow_peer_out():
+    summaries = [_summary("p0", 160, 0.5), _summary("p1", 160, 0.6), _summary("p2", 160, None),
+                 _summary("p3", 160, 0.05)]
+    fast, slow = wan.fast_slow_split(summaries, "p3")
+    assert [s["peer_id"] for s in fast] == ["p0", "p1", "p2"] and slow["peer_id"] == "p3"
+    assert wan.peer_wait_share(fast) == 0.55  # p2 reported none
+    out = wan.peer_split(summaries, 4, 0.5)
+    assert out["fast_peer_wait_share"] == 0.55 and out["slow_peer_id"] == "p3"
+    assert out["slow_peer_samples"] == 160 and out["slow_peer_steps_contributed"] == 10
+    assert out["slow_peer_wait_share"] == 0.05
+    assert out["samples_by_peer"] == {"p0": 160, "p1": 160, "p2": 160, "p3": 160}
+    plain = wan.peer_split(summaries, 4, None)  # no slow peer: every peer is fast
+    assert plain["fast_peer_wait_share"] == round((0.5 + 0.6 + 0.05) / 3, 3) and "slow_peer_id" not in plain
+    missing = wan.peer_split(summaries[:3], 4, 0.5)  # the slow peer printed no summary
+    assert missing["slow_peer_samples"] is None and missing["fast_peer_wait_share"] == 0.55
+    assert wan.peer_wait_share([]) is None
+
+
+def test_ddp_rank_wait_shares_from_the_step_lines():
+    recs = [[{"step": 1, "compute_s": 0.1, "comm_s": 0.3}, {"step": 2, "compute_s": 0.1, "comm_s": 0.5}],
+            [{"step": 1, "compute_s": 0.4, "comm_s": 0.0}], []]
+    assert wan.rank_wait_shares(recs) == [0.8, 0.0, None]
+
+
+def test_line_cpu_and_the_last_lines_link_keys():
+    import types
+    assert wan.line_cpu(None, 10.0, 5) is None
+    assert wan.line_cpu(1.5, 100.0, 30) == {"cpu_s": 1.5, "core_share": 0.015, "cpu_ms_per_step": 50.0}
+    assert wan.line_cpu(0.0, 0.0, None) == {"cpu_s": 0.0, "core_share": None, "cpu_ms_per_step": None}
+    a = types.SimpleNamespace(delay_ms=50.0, slow_peer=0.5, peers=4)
+    line = types.SimpleNamespace(sched="fifo", counters={"dropped": 0})
+    w = types.SimpleNamespace(line=line)
+    pings = {"unshaped": {"median_ms": 100.4}, "80mbit": None}
+    per_rate = {"80mbit": {"swarm": {"fast_peer_wait_share": 0.4, "slow_peer_samples": 128,
+                                     "samples_by_peer": {"p0": 128, "p3": 128}},
+                           "ddp-dense": {"fast_peer_wait_share": 0.7}}}
+    out = wan.link_figures(a, w, pings, {"80mbit": {"swarm": {"cpu_s": 1.0}}}, 2.0, 5.0, 100.0, per_rate)
+    assert out["rtt_configured_ms"] == 100.0 and out["ping_rtt_ms"] == 100.4
+    assert out["ping_rtt_ms_by_rate"] == {"unshaped": 100.4, "80mbit": None}
+    assert out["delay_line"]["cpu_s_total"] == 3.0 and out["delay_line"]["core_share_total"] == 0.03
+    assert out["delay_line"]["sched"] == "fifo" and out["delay_line_cpu"]["80mbit"]["swarm"]["cpu_s"] == 1.0
+    assert out["fast_peer_wait_share"] == {"80mbit": {"swarm": 0.4, "ddp-dense": 0.7}}
+    assert out["slow_peer_samples"] == {"80mbit": {"swarm": 128}} and out["slow_peer_id"] == "p3"
+    plain = wan.link_figures(types.SimpleNamespace(delay_ms=0.0, slow_peer=None, peers=4),
+                             types.SimpleNamespace(line=None), {}, {}, None, None, 10.0, {})
+    assert plain["delay_line"] is None and plain["ping_rtt_ms"] is None and "slow_peer_samples" not in plain
+    json.dumps(out)
