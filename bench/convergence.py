@@ -35,7 +35,7 @@ LOG = open(os.environ.get("SWARM_BENCH_LOG", os.devnull), "a")  # the peers' std
 
 class Proc:
     def __init__(self, args: list[str]):
-        self.p = subprocess.Popen([sys.executable, str(ROOT / "peer.py"), "-v", *args], cwd=ROOT, text=True,
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "peer.py"), "-v", "--threads", "1", *args], cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=LOG)
         self.lines: list[str] = []
         self.port: int | None = None

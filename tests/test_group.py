@@ -242,7 +242,7 @@ def test_a_group_restarts_from_its_checkpoints(tmp_path):
     def run(steps: int) -> list[dict]:
         r = subprocess.run([*torchrun(2), str(ROOT / "peer.py"), "--steps", str(steps), "--checkpoint", str(tmp_path),
                             "--table-rows", "4096", "--table-slots", "256", "--batch-size", "4", "--linger", "1",
-                            "--backend", BACKEND, "--device", DEVICE],
+                            "--threads", "1", "--backend", BACKEND, "--device", DEVICE],
                            cwd=ROOT, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr[-3000:]
         return json_summaries(r.stdout.splitlines())
