@@ -34,7 +34,11 @@ Figures (each per peer count; "per peer step" = mean over peers):
   row_/control_bytes_*_per_peer_step     the same for table rows (pulls, pushes, replication) and
                                          control (membership, joins, round replies)
   payload_bytes                          one gradient payload: grads sent / (rounds the peer
-                                         contributed x (P - 1) recipients), mean over peers
+                                         contributed x (P - 1) recipients), mean over peers; only
+                                         where every peer sends every round (no cap below P)
+  *_steady                               gradient bytes per peer step between two polls of every
+                                         peer's /api/status after the codec's warmup (its first
+                                         20 steps send up to 25x more entries)
   step_time_over_floor                   swarm step time / floor step time (each: mean seconds per
                                          step between the first and last step of the curve)
   rss_mb                                 the largest peak RSS (VmHWM) of a peer (rss_mb_median too)
@@ -62,6 +66,7 @@ import re
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -114,6 +119,17 @@ def parse_peer_args(text: str) -> list[str]:
         if flag in OWN_FLAGS:
             raise ArgError(f"--peer-args: {flag} is set by the benchmark (use its own option, if it has one)")
     return argv
+
+
+def flag_value(argv: list[str], flag: str, default: int) -> int:
+    """The integer value of `flag` in argv ("--flag V" or "--flag=V"; the last wins), else default."""
+    out = default
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+            out = int(argv[i + 1])
+        elif a.startswith(flag + "=") and a[len(flag) + 1:].isdigit():
+            out = int(a[len(flag) + 1:])
+    return out
 
 
 _LISTEN_RE = re.compile(r"listening on http://(\S+?)/?(?:\s|$)")
@@ -198,10 +214,38 @@ def summary_rates(summaries: list[dict], rounds: int | None) -> dict:
         "control_bytes_received_per_peer_step": lambda s: (s.get("received_by_kind") or {}).get("control", 0),
     }
     out = {k: per_step(mean(f(s) for s in rows), rounds) for k, f in pick.items()}
+    for side in ("sent_by_kind", "received_by_kind"):  # every kind the peers count, per peer step
+        kinds = sorted({k for s in rows for k in (s.get(side) or {})})
+        out[f"{side}_per_peer_step"] = {k: per_step(mean((s.get(side) or {}).get(k, 0) for s in rows), rounds)
+                                        for k in kinds}
     out["grad_bytes_sent_per_peer_step_max"] = per_step(max((s.get("bytes_sent", 0) for s in rows), default=None), rounds)
     out["grad_bytes_received_per_peer_step_max"] = per_step(
         max((s.get("bytes_received", 0) for s in rows), default=None), rounds)
     return out
+
+
+def steady_rates(a: list[dict | None], b: list[dict | None]) -> dict:
+    """Two polls of every peer's /api/status (each {"step", "bytes_sent", "bytes_received"} by kind)
+    -> gradient bytes sent and received per step between them, mean over the peers polled twice:
+    the rounds after the codec's warmup, without the start's larger payloads."""
+    rates: dict[str, list[dict[str, float]]] = {"bytes_sent": [], "bytes_received": []}
+    for x, y in zip(a, b):
+        if not x or not y or (y.get("step") or 0) <= (x.get("step") or 0):
+            continue
+        d = y["step"] - x["step"]
+        for side, acc in rates.items():
+            bx, by = x.get(side) or {}, y.get(side) or {}
+            acc.append({k: (by.get(k, 0) - bx.get(k, 0)) / d for k in {*bx, *by, "grads"}})
+
+    def by_kind(side: str) -> dict[str, float]:
+        kinds = sorted({k for r in rates[side] for k in r})
+        return {k: round(mean(r.get(k, 0.0) for r in rates[side]), 1) for k in kinds}
+
+    sent, recv = by_kind("bytes_sent"), by_kind("bytes_received")
+    return {"grad_bytes_sent_per_peer_step_steady": sent.get("grads"),
+            "grad_bytes_received_per_peer_step_steady": recv.get("grads"),
+            "sent_by_kind_per_peer_step_steady": sent, "received_by_kind_per_peer_step_steady": recv,
+            "steady_peers_polled": len(rates["bytes_sent"])}
 
 
 def full_samples(samples: list[tuple[float, list]], n: int) -> list[tuple[float, list]]:
@@ -218,8 +262,12 @@ def target_check(by_peers: dict[str, dict], small: str = "4", big: str = "16", f
     sent = ratio(b.get("grad_bytes_sent_per_peer_step"), a.get("grad_bytes_sent_per_peer_step"))
     recv = ratio(b.get("grad_bytes_received_per_peer_step"), a.get("grad_bytes_received_per_peer_step"))
     met = None if sent is None or recv is None else (sent <= factor and recv <= factor)
+    st_s = ratio(b.get("grad_bytes_sent_per_peer_step_steady"), a.get("grad_bytes_sent_per_peer_step_steady"))
+    st_r = ratio(b.get("grad_bytes_received_per_peer_step_steady"), a.get("grad_bytes_received_per_peer_step_steady"))
     return {"sent_ratio": sent, "received_ratio": recv, "limit": factor, "met": met,
-            "what": f"grad bytes per peer per step at {big} peers / at {small} peers"}
+            "what": f"grad bytes per peer per step at {big} peers / at {small} peers (whole run)",
+            "steady_sent_ratio": st_s, "steady_received_ratio": st_r,
+            "met_steady": None if st_s is None or st_r is None else (st_s <= factor and st_r <= factor)}
 
 
 def paper_model(payload: float | None, other_sent: float | None, other_received: float | None,
@@ -250,6 +298,8 @@ def last_line(runs: dict[str, dict], all_traffic: str | None, extra: dict | None
             "row_bytes_sent_per_peer_step", "row_bytes_received_per_peer_step",
             "control_bytes_sent_per_peer_step", "control_bytes_received_per_peer_step",
             "grad_bytes_sent_per_peer_step_max", "grad_bytes_received_per_peer_step_max", "payload_bytes",
+            "grad_bytes_sent_per_peer_step_steady", "grad_bytes_received_per_peer_step_steady", "steady_window",
+            "sent_by_kind_per_peer_step", "sent_by_kind_per_peer_step_steady", "max_contributors",
             "step_time_s", "floor_step_s", "rss_mb_median", "join_s_max", "listen_s", "loss_first_window",
             "loss_last_window", "steps_done", "exit_codes")
     out: dict = {k: {n: r.get(k) for n, r in runs.items()} for k in keys}
@@ -352,6 +402,52 @@ class Sampler:
         self._t.join(2)
 
 
+def poll_status(prefix: list[str], addr: str) -> dict | None:
+    """The step and byte counters of one peer's /api/status (curl inside its namespace), or None."""
+    try:
+        r = subprocess.run([*prefix, "curl", "-s", "-m", "10", f"http://{addr}/api/status"],
+                               capture_output=True, text=True, timeout=20)
+        doc = json.loads(r.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    return {"step": doc.get("step"), "bytes_sent": doc.get("bytes_sent"), "bytes_received": doc.get("bytes_received")}
+
+
+def steady_marks(steps: int, warmup: int = 20) -> tuple[int, int]:
+    """The steps at which the peers are polled: after the codec's warmup (and at least half-way),
+    and 5 steps before the end (every peer still runs)."""
+    first = min(max(warmup + 5, steps // 2), steps - 10)
+    return first, steps - 5
+
+
+class Poller:
+    """Polls every peer's /api/status once peer 0 has passed each mark (see steady_marks)."""
+
+    def __init__(self, procs: list, prefixes: list[list[str]], marks: tuple[int, int]):
+        self.procs, self.prefixes, self.marks = procs, prefixes, marks
+        self.polls: list[list[dict | None]] = []
+        self.steps_at: list[int] = []
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _step(self) -> int:
+        pts, _ = wan.parse_peer_lines(list(self.procs[0].lines))
+        return max(pts) if pts else 0
+
+    def _run(self) -> None:
+        for mark in self.marks:
+            while self._step() < mark:
+                if self.procs[0].p.poll() is not None:
+                    return
+                time.sleep(0.2)
+            addrs = [next((x for _, line in list(p.lines) if (x := listen_addr(line))), None) for p in self.procs]
+            self.steps_at.append(self._step())
+            self.polls.append([poll_status(pre, ad) if ad else None for pre, ad in zip(self.prefixes, addrs)])
+
+    def join(self, timeout: float = 30.0) -> None:
+        self._t.join(timeout)
+
+
 # ----------------------------------------------------------------------------- the runs
 
 
@@ -395,9 +491,11 @@ def run_swarm(net: Net, a, n: int, log: Path) -> dict:
         procs.append(wan.Proc([*net.prefix(i), *peer_argv(a, i, net.host(i), 7100 if net.wan else 0,
                                                           [*extra, "--join", addr])], log=log / f"swarm{n}-p{i}.err"))
         sampler.pids.append(procs[-1].p.pid)
+    poller = Poller(procs, [net.prefix(i) for i in range(n)], steady_marks(a.steps, flag_value(a.peer_argv, "--warmup-steps", 20)))
     deadline = time.time() + a.run_timeout
     codes = [p.wait(max(1.0, deadline - time.time())) for p in procs]
     sampler.stop()
+    poller.join()
     parsed = [wan.parse_peer_lines(p.lines) for p in procs]
     summaries = [s for _, s in parsed]
     curve = wan.merge_curves([pts for pts, _ in parsed])
@@ -417,7 +515,13 @@ def run_swarm(net: Net, a, n: int, log: Path) -> dict:
             out["bytes_sent_per_peer_step"] = per_step(mean(tx or []), span)
             out["bytes_received_per_peer_step"] = per_step(mean(rx or []), span)
     out.update(summary_rates([s for s in summaries if s], rounds))
-    out["payload_bytes"] = payload_bytes([s for s in summaries if s], n)
+    s0 = next((s for s in summaries if s), None) or {}
+    cap = out["max_contributors"] = (s0.get("settings") or {}).get("max_contributors")
+    # one payload's size only where every peer sends to every other every round (no cap below n)
+    out["payload_bytes"] = payload_bytes([s for s in summaries if s], n) if not cap or cap >= n else None
+    if len(poller.polls) == 2:
+        out.update(steady_rates(*poller.polls))
+        out["steady_window"] = poller.steps_at
     rss = [sampler.rss.get(p.p.pid) for p in procs]
     out["rss_mb"] = None if not any(rss) else round(max(r for r in rss if r), 1)
     out["rss_mb_median"] = None if median(rss) is None else round(median(rss), 1)
@@ -432,7 +536,6 @@ def run_swarm(net: Net, a, n: int, log: Path) -> dict:
     out["loss_first_window"] = None if first_w is None else round(first_w, 4)
     out["loss_last_window"] = None if last_w is None else round(last_w, 4)
     out["loss_fell"] = loss_fell(first_w, last_w)
-    s0 = next((s for s in summaries if s), None) or {}
     out["steps_contributed"] = mean(s.get("steps_contributed") for s in summaries if s)
     out["settings"] = s0.get("settings")
     out["dense_values"] = (s0.get("task") or {}).get("dense_values")
@@ -548,7 +651,13 @@ def main(argv: list[str] | None = None) -> int:
              for r in (largest,) if r]
     other_r = [(r.get("row_bytes_received_per_peer_step") or 0) + (r.get("control_bytes_received_per_peer_step") or 0)
                for r in (largest,) if r]
-    model = paper_model(smallest.get("payload_bytes"), mean(other), mean(other_r), int(cap or a.model_contributors))
+    # one payload after the codec's warmup: the smallest swarm's steady gradient bytes per step / recipients
+    steady = smallest.get("grad_bytes_sent_per_peer_step_steady")
+    payload = round(steady / (min(peers) - 1), 1) if steady else smallest.get("payload_bytes")
+    model = paper_model(payload, mean(other), mean(other_r), int(cap or a.model_contributors))
+    if model:
+        model["payload_from"] = (f"{min(peers)} peers' gradient bytes sent per step after the warmup (polled)" if steady
+                                 else f"{min(peers)} peers' whole-run payload (warmup included)")
     result = last_line(runs, all_traffic, {
         "paper_model": model, "max_contributors_reported": cap, "peer_args": a.peer_argv, "steps": a.steps,
         "batch_size": a.batch_size, "run_seconds": durations, "seconds": round(time.time() - t_start, 1)})

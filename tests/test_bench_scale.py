@@ -85,6 +85,7 @@ def test_summary_rates_and_payload():
     assert r["grad_bytes_sent_per_peer_step"] == 200.0 and r["grad_bytes_received_per_peer_step"] == 400.0
     assert r["grad_bytes_sent_per_peer_step_max"] == 300.0
     assert r["row_bytes_sent_per_peer_step"] == 20.0 and r["control_bytes_received_per_peer_step"] == 2.0
+    assert r["sent_by_kind_per_peer_step"] == {"control": 3.0} and r["received_by_kind_per_peer_step"] == {"control": 2.0}
     # per contributed round and recipient: 3000 / (10 x 3), 1000 / (5 x 3)
     assert scale.payload_bytes(s, 4) == pytest.approx((100 + 200 / 3) / 2, abs=0.1)
     assert scale.payload_bytes([{"bytes_sent": 5}], 4) is None
@@ -98,6 +99,11 @@ def test_target_check_both_directions():
     runs["16"]["grad_bytes_received_per_peer_step"] = 200.0
     assert scale.target_check(runs)["met"] is True
     assert scale.target_check({"4": runs["4"]}) is None
+    assert scale.target_check(runs)["met_steady"] is None  # not polled
+    runs["4"]["grad_bytes_sent_per_peer_step_steady"] = runs["4"]["grad_bytes_received_per_peer_step_steady"] = 10.0
+    runs["16"]["grad_bytes_sent_per_peer_step_steady"] = runs["16"]["grad_bytes_received_per_peer_step_steady"] = 30.0
+    t = scale.target_check(runs)
+    assert t["steady_sent_ratio"] == 3.0 and t["met_steady"] is False and t["met"] is True
 
 
 def test_paper_model():
@@ -127,3 +133,27 @@ def test_full_samples_drops_those_before_every_peer_ran():
     s = [(0.0, [1]), (1.0, [2, 5]), (2.0, [4, 9])]
     assert scale.full_samples(s, 2) == s[1:]
 
+
+
+def test_steady_rates_between_two_polls():
+    a = [{"step": 30, "bytes_sent": {"grads": 1000, "rows": 5}, "bytes_received": {"grads": 3000}},
+         {"step": 31, "bytes_sent": {"grads": 0}, "bytes_received": {}}, None]
+    b = [{"step": 55, "bytes_sent": {"grads": 26000}, "bytes_received": {"grads": 53000}},
+         {"step": 56, "bytes_sent": {"grads": 50000}, "bytes_received": {"grads": 25000}},
+         {"step": 55, "bytes_sent": {"grads": 9}, "bytes_received": {"grads": 9}}]
+    r = scale.steady_rates(a, b)
+    assert r["steady_peers_polled"] == 2  # the third peer was not polled twice
+    assert r["grad_bytes_sent_per_peer_step_steady"] == (1000 + 2000) / 2
+    assert r["grad_bytes_received_per_peer_step_steady"] == (2000 + 1000) / 2
+    assert r["sent_by_kind_per_peer_step_steady"] == {"grads": 1500.0, "rows": -0.1}
+    assert scale.steady_rates([a[0]], [a[0]])["grad_bytes_sent_per_peer_step_steady"] is None  # no steps between
+
+
+def test_flag_value_and_marks():
+    assert scale.flag_value(["--warmup-steps", "5", "--ratio", "0.1"], "--warmup-steps", 20) == 5
+    assert scale.flag_value(["--warmup-steps=7"], "--warmup-steps", 20) == 7
+    assert scale.flag_value([], "--warmup-steps", 20) == 20
+    assert scale.steady_marks(60) == (30, 55)
+    assert scale.steady_marks(200) == (100, 195)
+    first, last = scale.steady_marks(30, warmup=20)
+    assert first < last <= 30
