@@ -52,7 +52,7 @@ Figures (each per peer count; "per peer step" = mean over peers):
 
 The LAST stdout line is one JSON object; --out also gets it with every per-run record.
 
-    python3 bench/scale.py                                    # 2, 4, 8, 16 peers, 60 steps (root: ~12 min)
+    python3 bench/scale.py                                    # 2, 4, 8, 16 peers, 60 steps (root: ~10 min here)
     python3 bench/scale.py --peers 2,4 --steps 30             # a short check
     python3 bench/scale.py --peer-args "--max-contributors 4" # peer flags passed to every peer
 """
