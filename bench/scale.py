@@ -410,7 +410,8 @@ def poll_status(prefix: list[str], addr: str) -> dict | None:
         doc = json.loads(r.stdout)
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
-    return {"step": doc.get("step"), "bytes_sent": doc.get("bytes_sent"), "bytes_received": doc.get("bytes_received")}
+    step = doc.get("inner_step", doc.get("step"))  # inner steps (with --sync-every: not rounds), as the curve
+    return {"step": step, "bytes_sent": doc.get("bytes_sent"), "bytes_received": doc.get("bytes_received")}
 
 
 def steady_marks(steps: int, warmup: int = 20) -> tuple[int, int]:
@@ -647,10 +648,12 @@ def main(argv: list[str] | None = None) -> int:
     smallest, largest = runs.get(str(min(peers)), {}), runs.get(str(max(peers)), {})
     cap = next((r["settings"].get("max_contributors") for r in runs.values()
                 if isinstance(r.get("settings"), dict) and r["settings"].get("max_contributors")), None)
+    # rows and control per peer step at the largest swarm, the SENT side for both directions: a
+    # peer's summary counts received reply bodies only (not pushes and replicas arriving as
+    # requests), while over the swarm every byte sent is received, so the mean over peers is equal
     other = [(r.get("row_bytes_sent_per_peer_step") or 0) + (r.get("control_bytes_sent_per_peer_step") or 0)
              for r in (largest,) if r]
-    other_r = [(r.get("row_bytes_received_per_peer_step") or 0) + (r.get("control_bytes_received_per_peer_step") or 0)
-               for r in (largest,) if r]
+    other_r = other
     # one payload after the codec's warmup: the smallest swarm's steady gradient bytes per step / recipients
     steady = smallest.get("grad_bytes_sent_per_peer_step_steady")
     payload = round(steady / (min(peers) - 1), 1) if steady else smallest.get("payload_bytes")
