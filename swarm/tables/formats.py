@@ -11,6 +11,8 @@ high one, each a 4-bit two's complement.
     replica update  safetensors: "ids" I32 [k], "rows" F32 [k, dim], state F32 [k, dim], "step" I64 [k];
                     meta v, table, view, key
     slot hand-off   safetensors: "rows" F32 [n, dim], state F32 [n, dim], "step" I64 [n]; meta v, table, slot, view
+(state: the optimizer's state_keys, "m" and "v" for Adam; a per-row key of a row-wise kind, "v_row" or
+"acc_row", is F32 [k] / [n].)
 
 The safetensors container is parsed here, not by the safetensors library, so that every field is
 checked (exact keys, dtypes, shapes, offsets that tile the data exactly) before anything is allocated.
@@ -31,7 +33,7 @@ import safetensors.torch
 import torch
 
 from .ownership import OwnershipMap, TableSpec
-from .shard import all_finite, state_keys
+from .shard import KINDS, all_finite, state_keys, state_shape
 
 __all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
            "encode_pull", "decode_pull", "encode_rows",
@@ -52,7 +54,7 @@ _ST = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "I8": ("<i1", 1
 _QMAX = {"int8": 127, "int4": 7}
 _SCALED = ("I8", "U8")  # stored dtypes that come with a ".scale" tensor (int8, int4)
 _FLOATS = ("F32", "F16", "BF16")
-_KINDS = ("adam", "adagrad")
+_KINDS = KINDS
 
 
 class WireError(ValueError):
@@ -491,7 +493,7 @@ def _kind_of(names: set[str], fixed: set[str], kind: str | None) -> str:
 def _check_state(out: dict[str, torch.Tensor], kind: str, what: str) -> None:
     for k in ("rows", *state_keys(kind)):
         _finite(out[k], f"{what} {k!r}")
-        if k in ("v", "acc") and out[k].numel() and bool((out[k] < 0).any()):
+        if k not in ("rows", "m") and out[k].numel() and bool((out[k] < 0).any()):
             raise WireError(f"{what} {k!r} has negative values")
     if out["step"].numel() and int(out["step"].min()) < 0:
         raise WireError(f"{what} 'step' has negative values")
@@ -508,9 +510,9 @@ def _state_tensors(tensors: dict[str, torch.Tensor], fixed: set[str], n: int | N
     n = rows.shape[0] if n is None else n
     out = {}
     for k in ("rows", *state_keys(kind)):
-        v = tensors[k]
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (n, dim) or v.dtype != torch.float32:
-            raise WireError(f"{what} {k!r} must be float32 [{n}, {dim}]")
+        v, shape = tensors[k], state_shape(k, n, dim)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != torch.float32:
+            raise WireError(f"{what} {k!r} must be float32 {list(shape)}")
         out[k] = v
     s = tensors["step"]
     if not isinstance(s, torch.Tensor) or tuple(s.shape) != (n,) or s.dtype != torch.int64:
@@ -539,8 +541,8 @@ def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: 
 @_guard
 def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | None = None
                    ) -> tuple[str, dict[str, torch.Tensor], str, str]:
-    """-> (table, {"ids" int64, "rows", state..., "step" int64}, view, key). `kind` ("adam" /
-    "adagrad") pins the optimizer state expected; None accepts either."""
+    """-> (table, {"ids" int64, "rows", state..., "step" int64}, view, key). `kind` (one of
+    shard.KINDS) pins the optimizer state expected; None accepts any."""
     tables = _tables(tables)
     blob = _Blob(data)
     _meta(blob.meta, {"v", "table", "view", "key"})
@@ -555,7 +557,7 @@ def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | Non
         raise WireError(f"more ids than table {spec.name!r} has rows")
     out = {"ids": torch.from_numpy(_check_ids(blob.get("ids", ("I32",), (n,)).numpy(), spec.rows, "replica update"))}
     for name in ("rows", *state_keys(k)):
-        out[name] = blob.get(name, ("F32",), (n, spec.dim))
+        out[name] = blob.get(name, ("F32",), state_shape(name, n, spec.dim))
     out["step"] = blob.get("step", ("I64",), (n,))
     _check_state(out, k, "replica update")
     return spec.name, out, view, key
@@ -593,7 +595,7 @@ def decode_slot(data: bytes, tables: Mapping[str, TableSpec],
         raise WireError(f"slot {slot} of {spec.name!r} does not exist: {e}") from None
     k = _kind_of(set(blob.entries), {"rows", "step"}, kind)
     n = hi - lo
-    out = {name: blob.get(name, ("F32",), (n, spec.dim)) for name in ("rows", *state_keys(k))}
+    out = {name: blob.get(name, ("F32",), state_shape(name, n, spec.dim)) for name in ("rows", *state_keys(k))}
     out["step"] = blob.get("step", ("I64",), (n,))
     _check_state(out, k, "slot")
     return spec.name, slot, out, view

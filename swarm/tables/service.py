@@ -484,8 +484,8 @@ class TableService:
                     best, best_version = FRESH, 0
                 continue
             try:
-                table, slot, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows)
-            except ValueError:
+                table, slot, tensors, _ = decode_slot(blob, self.by_name, self._slot_rows, self.opt.kind)
+            except ValueError:  # (also a copy of another optimizer's state: --row-state is the swarm's)
                 continue
             if (table, slot) != (move.table, move.slot):
                 continue

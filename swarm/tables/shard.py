@@ -13,6 +13,16 @@ corrections, computed in float64 and rounded to fp32):
              row = row - lr * (m / bc1) / (sqrt(v / bc2) + eps)
     adagrad: acc = acc + g*g ;  row = row - lr * g / (sqrt(acc) + eps)
 Untouched rows (and their state) are never written: "lazy" Adam.
+
+Row-wise state (--row-state rowwise; TorchRec's PARTIAL_ROWWISE_ADAM and ROWWISE_ADAGRAD): the
+second moment is one value per row, the mean over the row of g*g, instead of one per value, so the
+optimizer state of a [n, dim] shard is [n, dim] + [n] (row-wise Adam, which keeps m per value) or
+[n] (row-wise Adagrad) instead of 2 x or 1 x [n, dim]:
+    rowwise-adam:    m as adam ;  v_row = b2*v_row + (1-b2)*mean(g*g)
+                     row = row - lr * (m / bc1) / (sqrt(v_row / bc2) + eps)
+    rowwise-adagrad: acc_row = acc_row + mean(g*g) ;  row = row - lr * g / (sqrt(acc_row) + eps)
+Per-row state keys end in "_row" (``per_row``) and have shape [n]; they live in a [cap, R] pool of
+their own beside the [cap, 1 + S, dim] pool of rows and per-value state.
 """
 from __future__ import annotations
 
@@ -26,9 +36,11 @@ import torch
 
 from .ownership import OwnershipMap, TableSpec
 
-__all__ = ["RowOptConfig", "TableShard", "ShardError", "state_keys"]
+__all__ = ["RowOptConfig", "TableShard", "ShardError", "state_keys", "per_row", "state_shape", "row_kind",
+           "KINDS", "ROW_STATES"]
 
-KINDS = ("adam", "adagrad")
+KINDS = ("adam", "adagrad", "rowwise-adam", "rowwise-adagrad")
+ROW_STATES = ("full", "rowwise")  # --row-state: the second moment per value, or one per row
 
 
 class ShardError(ValueError):
@@ -58,8 +70,28 @@ class RowOptConfig:
 
 
 def state_keys(kind: str) -> tuple[str, ...]:
-    """fp32 [n, dim] optimizer-state tensors of `kind` (besides "rows" and the int64 [n] "step")."""
-    return ("m", "v") if kind == "adam" else ("acc",)
+    """The fp32 optimizer-state tensors of `kind` (besides "rows" and the int64 [n] "step"): [n, dim]
+    each, or [n] for a per-row one (``per_row``)."""
+    return {"adam": ("m", "v"), "adagrad": ("acc",), "rowwise-adam": ("m", "v_row"),
+            "rowwise-adagrad": ("acc_row",)}[kind]
+
+
+def per_row(key: str) -> bool:
+    """Whether optimizer-state tensor `key` holds one value per row ([n]) rather than per value."""
+    return key.endswith("_row")
+
+
+def state_shape(key: str, n: int, dim: int) -> tuple[int, ...]:
+    """The shape of state tensor `key` for n rows of width dim."""
+    return (n,) if per_row(key) else (n, dim)
+
+
+def row_kind(kind: str, row_state: str) -> str:
+    """The optimizer kind for --row-state: `kind` ("adam" / "adagrad") itself for "full", its
+    row-wise variant for "rowwise"."""
+    if row_state not in ROW_STATES or kind not in ("adam", "adagrad"):
+        raise ValueError(f"row_state must be one of {ROW_STATES} and kind adam or adagrad, got {row_state!r}, {kind!r}")
+    return f"rowwise-{kind}" if row_state == "rowwise" else kind
 
 
 Layout = Union[OwnershipMap, int, Callable[[int], tuple[int, int]]]
@@ -95,15 +127,19 @@ class TableShard:
         else:
             raise ValueError("layout must be an OwnershipMap, a slot count or a slot -> (lo, hi) callable")
         self.state_keys = state_keys(self.opt.kind)
+        self._value_keys = tuple(k for k in self.state_keys if not per_row(k))
+        self._row_keys = tuple(k for k in self.state_keys if per_row(k))
         self._held: dict[int, tuple[int, int, int]] = {}   # slot -> (lo, hi, pool base)
         self._n_held = 0  # rows of the held slots
         self._cap = 0
         self._used = 0
-        # one pool per shard: a row's values and its optimizer state side by side, [cap, 1 + S, dim]
-        # (rows, then state_keys), so an optimizer step gathers and scatters each row once, from
-        # one contiguous block, instead of once per tensor (~1.4x faster Adam steps);
-        # _rows and _state[k] are views of it
-        self._pool = torch.zeros(0, 1 + len(self.state_keys), self.dim)
+        # one pool per shard: a row's values and its per-value optimizer state side by side,
+        # [cap, 1 + S, dim] (rows, then the per-value state_keys), so an optimizer step gathers and
+        # scatters each row once, from one contiguous block, instead of once per tensor (~1.4x
+        # faster Adam steps); per-row state (row-wise kinds) in _rpool [cap, R]; _rows and
+        # _state[k] are views of them
+        self._pool = torch.zeros(0, 1 + len(self._value_keys), self.dim)
+        self._rpool = torch.zeros(0, len(self._row_keys))
         self._views()
         self._step = torch.zeros(0, dtype=torch.int64)
         self._layout = 0  # bumped by every re-index: pool positions taken before it are stale
@@ -111,7 +147,8 @@ class TableShard:
 
     def _views(self) -> None:
         self._rows = self._pool[:, 0]
-        self._state = {k: self._pool[:, 1 + i] for i, k in enumerate(self.state_keys)}
+        self._state = {k: self._pool[:, 1 + i] for i, k in enumerate(self._value_keys)}
+        self._state.update({k: self._rpool[:, j] for j, k in enumerate(self._row_keys)})
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -129,6 +166,12 @@ class TableShard:
         The shard's memory is this many rows of values and optimizer state (see the module
         docstring: at most about twice ``rows_held()``, and exactly it after a ``reserve``)."""
         return self._cap
+
+    def nbytes(self) -> int:
+        """Bytes the shard's pools take at their capacity (rows_allocated): rows, optimizer state
+        and update counters. Row-wise state makes this (2 dim + 1) x 4 + 8 bytes per row for Adam
+        instead of 3 dim x 4 + 8."""
+        return sum(t.numel() * t.element_size() for t in (self._pool, self._rpool, self._step))
 
     def _range(self, slot) -> tuple[int, int]:
         try:
@@ -170,6 +213,7 @@ class TableShard:
             out[:self._used] = t[:self._used]
             return out
         self._pool = grow(self._pool)
+        self._rpool = grow(self._rpool)
         self._views()
         self._step = grow(self._step)
         self._cap = cap
@@ -178,15 +222,17 @@ class TableShard:
         live = self.rows_held()
         cap = max(live, 64)
         pool, step = self._pool.new_empty(cap, *self._pool.shape[1:]), self._step.new_empty(cap)
+        rpool = self._rpool.new_empty(cap, *self._rpool.shape[1:])
         base = 0
         for s in sorted(self._held):
             lo, hi, old = self._held[s]
             n = hi - lo
             pool[base:base + n] = self._pool[old:old + n]
+            rpool[base:base + n] = self._rpool[old:old + n]
             step[base:base + n] = self._step[old:old + n]
             self._held[s] = (lo, hi, base)
             base += n
-        self._pool, self._step, self._cap, self._used = pool, step, cap, base
+        self._pool, self._rpool, self._step, self._cap, self._used = pool, rpool, step, cap, base
         self._views()
         self._dirty = True
 
@@ -231,11 +277,11 @@ class TableShard:
         if tuple(rows.shape) != (n, self.dim) or rows.dtype != torch.float32 or not all_finite(rows):
             raise ShardError(f"table {self.spec.name!r}: the initial rows of slot {slot} are not finite fp32 "
                              f"[{n}, {self.dim}]")
-        self._place(slot, rows, {k: torch.zeros(n, self.dim) for k in self.state_keys},
+        self._place(slot, rows, {k: torch.zeros(state_shape(k, n, self.dim)) for k in self.state_keys},
                     torch.zeros(n, dtype=torch.int64))
 
     def export_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """Copies: "rows" fp32 [n, dim], state fp32 [n, dim] ("m","v" or "acc"), "step" int64 [n]."""
+        """Copies: "rows" fp32 [n, dim], state fp32 (state_keys: [n, dim], or [n] per row), "step" int64 [n]."""
         lo, hi, base = self._held_or_raise(slot)
         n = hi - lo
         out = {"rows": self._rows[base:base + n].clone()}
@@ -277,6 +323,8 @@ class TableShard:
         lo, hi, base = self._held_or_raise(slot)
         h = hashlib.sha256(f"{self.spec.name}:{lo}:{hi}:{self.opt.kind}".encode())
         h.update(self._pool[base:base + hi - lo].numpy().data)
+        if self._row_keys:
+            h.update(self._rpool[base:base + hi - lo].numpy().data)
         h.update(self._step[base:base + hi - lo].numpy().data)
         return h.hexdigest()[:32]
 
@@ -284,9 +332,9 @@ class TableShard:
 
     def _check_values(self, t: dict[str, torch.Tensor], n: int, what: str) -> None:
         for k in ("rows", *self.state_keys):
-            v = t[k]
-            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32 or tuple(v.shape) != (n, self.dim):
-                raise ShardError(f"{what}: {k!r} must be float32 [{n}, {self.dim}], got {_desc(v)}")
+            v, shape = t[k], state_shape(k, n, self.dim)
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32 or tuple(v.shape) != shape:
+                raise ShardError(f"{what}: {k!r} must be float32 {list(shape)}, got {_desc(v)}")
             if not bool(torch.isfinite(v).all()):
                 raise ShardError(f"{what}: {k!r} has non-finite values")
         for k in self.state_keys:
@@ -381,7 +429,7 @@ class TableShard:
 
     def apply_grads(self, ids: np.ndarray, grads: torch.Tensor) -> dict[str, torch.Tensor]:
         """One optimizer step on exactly these rows; returns the replica update
-        {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim]..., "step" int64 [k]}.
+        {"ids" int64 [k], "rows" fp32 [k, dim], state fp32 [k, dim] or [k]..., "step" int64 [k]}.
         Transactional: on ShardError (bad ids/shapes, non-finite grads or results) nothing changes."""
         return self.apply_checked(self.check_grads(ids, grads))
 
@@ -391,17 +439,23 @@ class TableShard:
             raise ShardError("checked gradients are stale (the held slots changed): check them again")
         ids, idx, g = checked.ids, checked.idx, checked.grads
         x = self._pool.index_select(0, idx)  # [k, 1 + S, dim]: each row with its state, one gather
+        r = self._rpool.index_select(0, idx)  # [k, R]: per-row state (row-wise kinds)
         row = x[:, 0]
         step = self._step.index_select(0, idx) + 1
-        new_state = {k: x[:, 1 + i] for i, k in enumerate(self.state_keys)}  # in place on the gathered copy
+        # in place on the gathered copies
+        new_state = {k: x[:, 1 + i] for i, k in enumerate(self._value_keys)}
+        new_state.update({k: r[:, j] for j, k in enumerate(self._row_keys)})
+        new_state = {k: new_state[k] for k in self.state_keys}
         if self.opt.deltas:
             row.sub_(g)
         else:
             row_step(self.opt, row, new_state, step, g)
-        if not all_finite(x):  # name the culprit (the rare path)
+        if not (all_finite(x) and all_finite(r)):  # name the culprit (the rare path)
             bad = next(name for name, tns in (("rows", row), *new_state.items()) if not all_finite(tns))
             raise ShardError(f"the update makes {bad!r} non-finite (gradient too large)")
         self._pool.index_copy_(0, idx, x)
+        if self._row_keys:
+            self._rpool.index_copy_(0, idx, r)
         self._step.index_copy_(0, idx, step)
         return {"ids": torch.from_numpy(ids.copy()), "rows": row, **new_state, "step": step}
 
@@ -426,22 +480,33 @@ class TableShard:
 def row_step(o: RowOptConfig, row: torch.Tensor, state: dict[str, torch.Tensor], step: torch.Tensor,
              g: torch.Tensor) -> None:
     """One step of the row optimizer, in place on ``row`` [k, dim] and its ``state`` tensors
-    (state_keys(o.kind)), ``step`` the rows' update counts after it (int64 [k], for Adam's bias
-    correction). A primary's shard and a local-step window's working copy (tables/window.py) step
-    rows by this one rule."""
-    if o.kind == "adam":
+    (state_keys(o.kind): [k, dim], or [k] per row), ``step`` the rows' update counts after it
+    (int64 [k], for Adam's bias correction). A primary's shard and a local-step window's working
+    copy (tables/window.py) step rows by this one rule."""
+    if o.kind in ("adam", "rowwise-adam"):
         b1, b2 = o.betas
-        m, v = state["m"], state["v"]
+        m = state["m"]
         m.mul_(b1).add_(g, alpha=1.0 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
         t = step.to(torch.float64)
         bc1 = (1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
         bc2 = (1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64), t)).to(torch.float32).unsqueeze(1)
-        row.sub_((m / bc1).div_((v / bc2).sqrt_().add_(o.eps)), alpha=o.lr)
-    else:
+        if o.kind == "adam":
+            v = state["v"]
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = (v / bc2).sqrt_().add_(o.eps)
+        else:
+            v = state["v_row"]
+            v.mul_(b2).add_((g * g).mean(1), alpha=1.0 - b2)
+            denom = (v / bc2[:, 0]).sqrt_().add_(o.eps).unsqueeze(1)
+        row.sub_((m / bc1).div_(denom), alpha=o.lr)
+    elif o.kind == "adagrad":
         acc = state["acc"]
         acc.add_(g * g)
         row.sub_(o.lr * g / (torch.sqrt(acc) + o.eps))
+    else:
+        acc = state["acc_row"]
+        acc.add_((g * g).mean(1))
+        row.sub_(o.lr * g / (torch.sqrt(acc) + o.eps).unsqueeze(1))
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .shard import RowOptConfig, row_step, state_keys
+from .shard import RowOptConfig, row_step, state_keys, state_shape
 
 
 @dataclass
 class _Rows:
     """One table's rows of this window, sorted by id."""
     dim: int
-    keys: tuple[str, ...]  # the row optimizer's state tensors (shard.state_keys)
+    keys: tuple[str, ...]  # the row optimizer's state tensors (shard.state_keys; [n, dim], or [n] per row)
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     rows: torch.Tensor = field(init=False)
     orig: torch.Tensor = field(init=False)  # the rows as pulled
@@ -38,7 +38,7 @@ class _Rows:
 
     def __post_init__(self) -> None:
         self.rows, self.orig = torch.zeros(0, self.dim), torch.zeros(0, self.dim)
-        self.state = {k: torch.zeros(0, self.dim) for k in self.keys}
+        self.state = {k: torch.zeros(state_shape(k, 0, self.dim)) for k in self.keys}
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         pos = np.searchsorted(self.ids, ids)
@@ -85,10 +85,10 @@ class WindowRows:
             all_ids = np.concatenate([r.ids, new])
             order = np.argsort(all_ids, kind="stable")
             idx = torch.from_numpy(order)
-            zeros = torch.zeros(len(new), r.dim)
             r.ids = all_ids[order]
             r.rows = torch.cat([r.rows, rows[t].to(torch.float32)]).index_select(0, idx)
-            r.state = {k: torch.cat([v, zeros]).index_select(0, idx) for k, v in r.state.items()}
+            r.state = {k: torch.cat([v, torch.zeros(state_shape(k, len(new), r.dim))]).index_select(0, idx)
+                       for k, v in r.state.items()}
             r.orig = torch.cat([r.orig, rows[t].to(torch.float32)]).index_select(0, idx)
             r.t = torch.cat([r.t, torch.zeros(len(new), dtype=torch.int64)]).index_select(0, idx)
             r.absent = np.concatenate([r.absent, gone])[order]
