@@ -18,7 +18,8 @@
  *
  * Prints "ready sched=POLICY" on stdout once every device exists; on SIGTERM/SIGINT (also sent
  * when its parent dies) prints its counters on stdout ("frames_up N frames_down N bytes_up N
- * bytes_down N dropped N") and exits 0.
+ * bytes_down N dropped N write_errors N": dropped = the queue was full, write_errors = a device
+ * refused a frame, e.g. one not up yet) and exits 0.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -120,7 +121,7 @@ int main(int argc, char **argv) {
         pfd[2 * i] = (struct pollfd){.fd = links[i].peer_fd, .events = POLLIN};
         pfd[2 * i + 1] = (struct pollfd){.fd = links[i].hub_fd, .events = POLLIN};
     }
-    unsigned long long frames_up = 0, frames_down = 0, bytes_up = 0, bytes_down = 0, dropped = 0;
+    unsigned long long frames_up = 0, frames_down = 0, bytes_up = 0, bytes_down = 0, dropped = 0, write_errors = 0;
     static unsigned char buf[FRAME_MAX];
     while (!stop_flag) {
         /* release what is due; the earliest pending release bounds the wait */
@@ -129,7 +130,7 @@ int main(int argc, char **argv) {
             struct link *L = &links[i];
             while (L->head && L->head->due_ns <= t) {
                 struct frame *fr = L->head;
-                if (write(L->peer_fd, fr->data, fr->len) < 0) dropped++;
+                if (write(L->peer_fd, fr->data, fr->len) < 0) write_errors++;
                 else { frames_down++; bytes_down += fr->len; }
                 L->head = fr->next;
                 if (!L->head) L->tail = NULL;
@@ -159,7 +160,7 @@ int main(int argc, char **argv) {
                 for (int b = 0; b < BATCH; b++) {
                     ssize_t len = read(L->peer_fd, buf, sizeof buf);
                     if (len <= 0) break;
-                    if (write(L->hub_fd, buf, (size_t)len) < 0) dropped++;
+                    if (write(L->hub_fd, buf, (size_t)len) < 0) write_errors++;
                     else { frames_up++; bytes_up += (unsigned long long)len; }
                 }
             }
@@ -169,7 +170,7 @@ int main(int argc, char **argv) {
                     ssize_t len = read(L->hub_fd, buf, sizeof buf);
                     if (len <= 0) break;
                     if (delay_ns == 0) {
-                        if (write(L->peer_fd, buf, (size_t)len) < 0) dropped++;
+                        if (write(L->peer_fd, buf, (size_t)len) < 0) write_errors++;
                         else { frames_down++; bytes_down += (unsigned long long)len; }
                         continue;
                     }
@@ -191,8 +192,8 @@ int main(int argc, char **argv) {
             }
         }
     }
-    printf("frames_up %llu frames_down %llu bytes_up %llu bytes_down %llu dropped %llu\n",
-           frames_up, frames_down, bytes_up, bytes_down, dropped);
+    printf("frames_up %llu frames_down %llu bytes_up %llu bytes_down %llu dropped %llu write_errors %llu\n",
+           frames_up, frames_down, bytes_up, bytes_down, dropped, write_errors);
     fflush(stdout);
     return 0;
 }

@@ -59,10 +59,11 @@ def parse_ready(line: str) -> str | None:
 
 
 def parse_counters(text: str) -> dict[str, int] | None:
-    """Its exit line `frames_up N frames_down N bytes_up N bytes_down N dropped N` -> a dict."""
+    """Its exit line `frames_up N frames_down N ... dropped N write_errors N` (names and counts in
+    pairs) -> a dict."""
     for line in reversed(text.splitlines()):
         f = line.split()
-        if len(f) == 10 and f[0] == "frames_up" and all(x.isdigit() for x in f[1::2]):
+        if f and f[0] == "frames_up" and len(f) % 2 == 0 and all(x.isdigit() for x in f[1::2]):
             return {k: int(v) for k, v in zip(f[0::2], f[1::2])}
     return None
 

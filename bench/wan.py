@@ -1566,11 +1566,13 @@ def main() -> int:
                       f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s", flush=True)
                 if res.get("step_phases_ms"):
                     print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
-                if a.slow_peer is not None:
+                if a.slow_peer is not None and "samples_by_peer" in res:
                     print(f"  fast peers' wait share {_f(res.get('fast_peer_wait_share'), 3)}; slow peer "
-                          f"{res.get('slow_peer_id', f'p{a.peers - 1}')}: samples {res.get('slow_peer_samples', '-')} "
-                          f"(all: {res.get('samples_by_peer', '-')}), wait share {_f(res.get('slow_peer_wait_share'), 3)}",
-                          flush=True)
+                          f"{res.get('slow_peer_id')}: samples {res.get('slow_peer_samples')} (all: "
+                          f"{res.get('samples_by_peer')}), wait share {_f(res.get('slow_peer_wait_share'), 3)}", flush=True)
+                elif a.slow_peer is not None:
+                    print(f"  fast ranks' wait share {_f(res.get('fast_peer_wait_share'), 3)} (per rank, the slow one "
+                          f"last: {res.get('rank_wait_shares')}; every rank trains every step)", flush=True)
             if lc:
                 per_step = f", {lc['cpu_ms_per_step']:.1f} ms/step" if lc.get("cpu_ms_per_step") else ""
                 print(f"  delay line CPU {lc['cpu_s']:.2f} s ({100 * (lc['core_share'] or 0):.1f}% of one core{per_step})",

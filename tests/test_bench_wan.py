@@ -443,9 +443,10 @@ def test_delay_line_output_and_proc_stat_parsing():
     assert dl.parse_ready("ready sched=other") == "other"
     assert dl.parse_ready("delayline: TUNSETIFF wan0: Operation not permitted") is None
     assert dl.parse_ready("") is None
-    text = "ready sched=fifo\nframes_up 10 frames_down 12 bytes_up 1000 bytes_down 1200 dropped 1\n"
+    text = "ready sched=fifo\nframes_up 10 frames_down 12 bytes_up 1000 bytes_down 1200 dropped 1 write_errors 2\n"
     assert dl.parse_counters(text) == {"frames_up": 10, "frames_down": 12, "bytes_up": 1000, "bytes_down": 1200,
-                                       "dropped": 1}
+                                       "dropped": 1, "write_errors": 2}
+    assert dl.parse_counters("frames_up 1 frames_down") is None
     assert dl.parse_counters("ready sched=fifo\n") is None
     assert dl.parse_counters("frames_up x frames_down 1 bytes_up 1 bytes_down 1 dropped 1") is None
     # /proc/PID/stat: utime and stime are fields 14 and 15; the name may hold spaces and ')'
