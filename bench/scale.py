@@ -50,6 +50,7 @@ Figures (each per peer count; "per peer step" = mean over peers):
   loss_fell                              mean over peers of the running-mean loss (10 steps) at
                                          step 10 (the first window) > at the last step
 
+The steady polls use `curl` (inside each peer's namespace); without it the *_steady figures are None.
 The LAST stdout line is one JSON object; --out also gets it with every per-run record.
 
     python3 bench/scale.py                                    # 2, 4, 8, 16 peers, 60 steps (root: ~10 min here)

@@ -1,0 +1,126 @@
+"""When a peer contributes: the round it declares next, and whether it holds rounds up (sans-I/O).
+
+Two things keep a round from waiting on every member, every step (docs/design.md, "Uneven peers
+and large swarms"):
+
+* **A cap on contributors.** With P contributing members and a cap of C, each peer sends a payload
+  every ``floor(P / C)`` rounds, in the rounds whose number is its phase (its rank among the
+  members' sorted ids) modulo that stride. Between two payloads it sums its steps' gradients, so no
+  sample is lost; the payload says the samples behind it and weighs by them.
+* **Free-running slow peers.** A peer whose compute takes clearly longer than the swarm's median
+  stops waiting for each round: it computes step after step, takes the rounds that are complete
+  when it looks, and sends what it has summed when its declared round is about to close.
+
+Every payload names the next round its sender contributes to, and so does its member metadata:
+a round expects exactly the peers that declared it (core/rounds.py). The contributor set of a round
+is thus fixed by its senders ahead of time, and every peer that holds the same payloads computes the
+same aggregate. Nothing here reads a clock: times come in as arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Collection
+
+__all__ = ["cap_stride", "phase", "next_round", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MAX_STRIDE"]
+
+SLOW_FACTOR = 1.25  # compute this x longer than the swarm's median: stop holding rounds up
+FAST_AGAIN = 1.1  # ... and hold them again (wait for each round) once under this x
+MAX_STRIDE = 8  # rounds between two payloads of one peer, at most (well under max_staleness)
+MARGIN = 1.2  # a free-running peer declares rounds its compute fits into with this much to spare
+
+
+def cap_stride(contributors: int, cap: int) -> int:
+    """Rounds between two payloads of a peer so that at least ``cap`` (and fewer than 2 x ``cap``)
+    of ``contributors`` send per round: floor(contributors / cap), at least 1, so a robust rule
+    always has ``cap`` payloads to work on; ``cap`` 0 is no cap (every round)."""
+    if cap <= 0 or contributors < 2 * cap:
+        return 1
+    return min(MAX_STRIDE, contributors // cap)
+
+
+def phase(self_id: str, ids: Collection[str], stride: int) -> int:
+    """Our rank among the contributing ids (ours included), sorted, modulo ``stride``: peers that
+    see the same members spread evenly over the rounds."""
+    ranked = sorted(set(ids) | {self_id})
+    return ranked.index(self_id) % max(1, stride)
+
+
+def next_round(after: int, stride: int, cap_k: int, ph: int) -> int:
+    """The round to contribute to after round ``after``: at least ``stride`` rounds on, and (with a
+    cap stride ``cap_k`` > 1) on our phase, so peers keep their places in the rotation."""
+    r = after + max(1, stride)
+    if cap_k > 1:
+        r += (ph - r) % cap_k
+    return r
+
+
+def _median(xs) -> float | None:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else None
+
+
+@dataclass
+class Pace:
+    """This peer's compute time against the swarm's: whether it is slow enough to run free, the
+    stride its speed needs, and when its declared round is due."""
+
+    window: int = 16
+    computes: deque = field(default_factory=lambda: deque(maxlen=16))  # seconds per step, ours
+    completions: deque = field(default_factory=lambda: deque(maxlen=17))  # (round, time it completed)
+    free: bool = False
+
+    def computed(self, seconds: float) -> None:
+        self.computes.append(float(seconds))
+
+    def completed(self, rnd: int, t: float) -> None:
+        """Round ``rnd`` became complete (its last expected payload arrived) at time ``t``."""
+        if self.completions and rnd <= self.completions[-1][0]:
+            return
+        self.completions.append((int(rnd), float(t)))
+
+    def step_s(self) -> float | None:
+        """Our median compute time per step, seconds."""
+        return _median(self.computes)
+
+    def period(self) -> float | None:
+        """The swarm's median time per round, from the rounds' completion times (None: too few)."""
+        c = list(self.completions)
+        gaps = [(t1 - t0) / (r1 - r0) for (r0, t0), (r1, t1) in zip(c, c[1:]) if r1 > r0]
+        return _median(gaps) if len(gaps) >= 2 else None
+
+    def update(self, others_s: Collection[float]) -> bool:
+        """Decide, from the other contributors' compute times, whether we run free; returns it."""
+        mine, theirs = self.step_s(), _median([x for x in others_s if x > 0])
+        if mine is None or theirs is None or len(self.computes) < 4:
+            return self.free
+        if not self.free and mine > SLOW_FACTOR * theirs:
+            self.free = True
+        elif self.free and mine < FAST_AGAIN * theirs:
+            self.free = False
+        return self.free
+
+    def stride(self) -> int:
+        """Rounds our compute needs between two payloads: 1 when we keep up, else enough rounds of
+        the swarm's period to fit a step with MARGIN to spare."""
+        mine, per = self.step_s(), self.period()
+        if not self.free or mine is None:
+            return 1
+        if per is None or per <= 0:
+            return 2
+        return max(2, min(MAX_STRIDE, math.ceil(MARGIN * mine / per)))
+
+    def due(self, rnd: int, now: float) -> bool:
+        """A free-running peer at a step boundary: send round ``rnd``'s payload now, because the
+        swarm is computing it already, or will close it before our next step would end."""
+        if not self.completions:
+            return True
+        last, t = self.completions[-1]
+        if rnd <= last + 1:
+            return True
+        per, mine = self.period(), self.step_s()
+        if per is None or mine is None:
+            return False
+        return now + MARGIN * mine >= t + (rnd - last - 1) * per

@@ -1,0 +1,240 @@
+"""Rounds that do not wait on every peer: the contributor cap, declared next rounds, weighting by
+samples, free-running slow peers (core/cadence.py, swarm/pacing.py; docs/design.md)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm import robust, roundbook
+from swarm.codec import CodecError, Compressor, CodecConfig, decode_payload
+from swarm.codec import Manifest, ManifestEntry
+from swarm.core import cadence, rounds
+from swarm.core.meta import PeerMeta
+from swarm.node import Peer
+
+from .conftest import small_cfg
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- the cap and the rotation (sans-I/O) --------------------------------------------------------------
+def test_cap_stride_is_one_up_to_the_cap_then_grows_with_the_swarm():
+    assert [cadence.cap_stride(p, 4) for p in (1, 2, 4, 5, 7, 8, 11, 12, 16, 17)] == [1, 1, 1, 1, 1, 2, 2, 3, 4, 4]
+    for p in range(1, 40):  # a round keeps at least the cap's payloads (a robust rule needs several)
+        assert p // cadence.cap_stride(p, 4) >= min(p, 4)
+    assert cadence.cap_stride(16, 0) == 1  # no cap
+    assert cadence.cap_stride(1000, 4) == cadence.MAX_STRIDE
+
+
+def test_phases_spread_peers_evenly_over_the_rounds():
+    ids = [f"p{i:02d}" for i in range(16)]
+    k = cadence.cap_stride(len(ids), 4)
+    per_round: dict[int, int] = {}
+    for pid in ids:
+        ph = cadence.phase(pid, ids, k)
+        r = cadence.next_round(0, k, k, ph)
+        assert 0 < r <= 2 * k and r % k == ph
+        per_round[r % k] = per_round.get(r % k, 0) + 1
+    assert sorted(per_round.values()) == [4, 4, 4, 4]
+
+
+def test_next_round_keeps_its_phase_and_a_free_running_stride():
+    assert cadence.next_round(8, 4, 4, 0) == 12
+    assert cadence.next_round(8, 1, 1, 0) == 9  # no cap: the next round
+    assert cadence.next_round(8, 6, 4, 0) == 16  # a slow peer's stride, then back on its phase
+    assert cadence.next_round(9, 4, 4, 2) == 14  # a phase that moved (the members changed)
+
+
+def test_pace_runs_free_only_when_clearly_slower_and_comes_back():
+    p = cadence.Pace()
+    for _ in range(4):
+        p.computed(0.11)
+    assert not p.update([0.1, 0.1])  # 10% slower: keeps up
+    for _ in range(16):
+        p.computed(0.2)
+    assert p.update([0.1, 0.1, 0.1])  # twice as slow: runs free
+    assert p.update([0.17])  # hysteresis: still free at 1.18x
+    for _ in range(16):
+        p.computed(0.1)
+    assert not p.update([0.1])
+
+
+def test_pace_stride_fits_a_step_into_the_swarms_period_and_says_when_it_is_due():
+    p = cadence.Pace(free=True)
+    for _ in range(8):
+        p.computed(0.2)
+    for r in range(6):
+        p.completed(r, 10.0 + 0.1 * r)
+    assert p.period() == pytest.approx(0.1)
+    assert p.stride() == 3  # ceil(1.2 * 0.2 / 0.1)
+    last_t = 10.5
+    assert p.due(6, last_t)  # the swarm computes round 6 now
+    assert not p.due(9, last_t)  # rounds 6..8 first
+    assert p.due(9, last_t + 0.2 + 1e-9 - 1.2 * 0.2 + 0.1)  # the next step would end after round 8 closes
+    assert cadence.Pace().stride() == 1  # keeping up: every round
+
+
+# -- who a round expects -------------------------------------------------------------------------------
+def _live(*ids: str) -> dict[str, PeerMeta]:
+    return {i: PeerMeta(active=True) for i in ids}
+
+
+def test_a_round_waits_only_for_the_peers_that_declared_it():
+    decl = {"a": 6, "b": 5, "c": None}
+    exp = rounds.expected(5, _live("a", "b", "c"), {"a", "b", "c"}, set(), "me", False,
+                          declared=lambda p, s: decl[p])
+    assert exp == {"b", "c"}  # a declared round 6; c said nothing: waited for as before
+    assert rounds.expected(6, _live("a"), set(), set(), "me", True, declared=lambda p, s: 6) == {"a", "me"}
+
+
+def test_declared_next_takes_the_newer_of_payloads_and_gossip():
+    meta = PeerMeta(active=True, next_round=12, declared_at=8)
+    assert rounds.declared_next(10, 9, meta) == 12  # gossip knows of its round-8 payload's successor
+    assert rounds.declared_next(8, 9, meta) == 9  # a declaration made at round 8 says nothing of round 8
+    assert rounds.declared_next(10, None, PeerMeta()) is None
+
+
+class _C:
+    def __init__(self, step, sender, nxt=None, samples=None):
+        self.step, self.sender, self.next, self.samples = step, sender, nxt, samples
+
+    def add_to(self, out, weight=1.0):
+        out.add_(weight)
+
+
+def test_round_book_keeps_declarations_and_when_a_round_completed():
+    book = roundbook.RoundBook()
+    assert book.offer(_C(0, "a", nxt=4), now=1.0) == roundbook.ACCEPTED
+    assert book.offer(_C(0, "b", nxt=1), now=1.5) == roundbook.ACCEPTED
+    assert book.declared_for("a", 1) == 4 and book.declared_for("a", 0) is None
+    res = book.take(0, {"a", "b"}, now=2.0, timeout=10.0)
+    assert res.completed_at == 1.5 and not res.timed_out
+    book.forget("a")
+    assert book.declared_for("a", 1) is None
+
+
+# -- weights -------------------------------------------------------------------------------------------
+class _V:
+    def __init__(self, sender, values, samples):
+        self.step, self.sender, self.n, self.samples, self.indices = 0, sender, len(values), samples, None
+        self.values = torch.tensor(values, dtype=torch.float32)
+
+    def add_to(self, out, weight=1.0):
+        out.add_(self.values, alpha=weight)
+
+
+def test_mean_weighs_by_samples_and_equal_samples_keep_the_plain_mean():
+    cs = [_V("a", [1.0, 0.0], 8), _V("b", [0.0, 1.0], 24)]
+    out = torch.zeros(2)
+    robust.aggregate(out, cs, robust.MEAN, divisor=2)
+    assert out.tolist() == pytest.approx([0.25, 0.75])
+    same = [_V("a", [1.0, 3.0], 8), _V("b", [2.0, 5.0], 8)]
+    a, b = torch.zeros(2), torch.zeros(2)
+    robust.aggregate(a, same, robust.MEAN, divisor=2)
+    for c in same:
+        c.add_to(b, 1.0 / 2)
+    assert torch.equal(a, b)  # the same bits as before weights existed
+
+
+def test_a_claimed_weight_is_capped_against_the_rounds_median():
+    cs = [_V("a", [1.0], 4), _V("b", [1.0], 4), _V("liar", [100.0], 10 ** 9)]
+    w = robust.weights(cs)
+    assert w == [4.0, 4.0, robust.WEIGHT_CAP * 4.0]
+
+
+def test_weighted_trimmed_mean_cuts_weight_not_count():
+    # per coordinate: values 0 (w 1), 1 (w 1), 10 (w 2); trimming 25% of W=4 from each end cuts
+    # the 0 entirely and half of the 10's weight: (1*1 + 10*1) / 2
+    mat = torch.tensor([[0.0], [1.0], [10.0]])
+    got = robust._trimmed_weighted(mat, [1.0, 1.0, 2.0], 0.25)
+    assert got.tolist() == pytest.approx([5.5])
+    # equal weights, trim 0: the plain mean
+    assert robust._trimmed_weighted(mat, [1.0, 1.0, 1.0], 0.0).tolist() == pytest.approx([11.0 / 3])
+
+
+def test_weighted_rules_are_deterministic():
+    torch.manual_seed(0)
+    cs = [_V(f"p{i}", torch.randn(50).tolist(), 4 * (i + 1)) for i in range(5)]
+    for rule in ("trimmed", "centered-clip", "mean"):
+        cfg = robust.RobustConfig(rule=rule)
+        a, b = torch.zeros(50), torch.zeros(50)
+        robust.aggregate(a, cs, cfg, divisor=5)
+        robust.aggregate(b, cs, cfg, divisor=5)
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
+# -- the wire ------------------------------------------------------------------------------------------
+def _manifest(n=64) -> Manifest:
+    return Manifest((ManifestEntry("w", (n,), "float32"),))
+
+
+def test_payload_carries_samples_and_next_round_and_refuses_bad_ones():
+    m = _manifest()
+    comp = Compressor(m, CodecConfig(mode="topk", ratio=0.25), sender="me")
+    enc = comp.compress(torch.randn(64), 7, samples=48, next_round=11)
+    dec = decode_payload(enc.blob, m, max_ratio=0.25)
+    assert (dec.samples, dec.next, dec.step) == (48, 11, 7)
+    plain = decode_payload(comp.compress(torch.randn(64), 8).blob, m, max_ratio=0.25)
+    assert plain.samples is None and plain.next is None
+    for samples, nxt, why in ((0, 9, "samples"), (4, 7, "next round"), (4, 3, "next round")):
+        bad = comp.compress(torch.randn(64), 7, samples=samples, next_round=nxt)
+        with pytest.raises(CodecError, match=why):
+            decode_payload(bad.blob, m, max_ratio=0.25)
+
+
+# -- real peers ----------------------------------------------------------------------------------------
+async def _peers(n: int, **kw) -> list[Peer]:
+    first = Peer(small_cfg(**kw), out=lambda line: None)
+    await first.start()
+    out = [first]
+    for _ in range(n - 1):
+        p = Peer(small_cfg(join=f"127.0.0.1:{first.port}", **kw), out=lambda line: None)
+        await p.start()
+        out.append(p)
+    return out
+
+
+async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_replicas():
+    peers = await _peers(8, steps=20, min_peers=8, max_contributors=3, round_timeout=10.0)
+    victim = peers[5]
+    runs = [asyncio.ensure_future(p.run()) for p in peers]
+    try:
+        while min(p.book.step for p in peers) < 8:
+            await asyncio.sleep(0.05)
+        await victim.close()  # gone without a word: the others find out by SWIM
+        results = await asyncio.wait_for(asyncio.gather(*[r for i, r in enumerate(runs) if i != 5]), 200)
+    finally:
+        for p in peers:
+            await p.close()
+        await asyncio.gather(*runs, return_exceptions=True)
+    survivors = [p for i, p in enumerate(peers) if i != 5]
+    for r, p in zip(results, survivors):
+        assert r["steps"] == 20 and r["final_loss"] < r["first_loss"]
+        st = p.pacing.status()
+        # with 8 (then 7) contributors and a cap of 3 a peer sends every other round, summing two steps
+        assert st["payloads_sent"] <= 13 and st["steps_summed"] >= 1.5 * st["payloads_sent"]
+    sketches = [r["param_sketch"] for r in results]
+    assert all(s == sketches[0] for s in sketches)  # bit-identical
+
+
+async def test_a_slow_peer_runs_free_and_its_samples_still_count():
+    fast = await _peers(2, steps=40, min_peers=3)
+    slow = Peer(small_cfg(steps=40, min_peers=3, join=f"127.0.0.1:{fast[0].port}", compute_speed=0.3),
+                out=lambda line: None)
+    await slow.start()
+    peers = fast + [slow]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*[p.run() for p in peers]), 220)
+    finally:
+        for p in peers:
+            await p.close()
+    rs = results[2]
+    assert slow.pacing.pace.free  # it stopped holding the rounds up
+    assert 0 < slow.pacing.sent < 40  # not a payload every round ...
+    assert rs["samples"] >= slow.pacing.summed * 4 > 0  # ... but the steps it computed went out
+    for r in results:
+        assert r["steps"] == 40 and r["rounds_timed_out"] == 0
+    assert results[0]["param_sketch"] == results[1]["param_sketch"] == rs["param_sketch"]
