@@ -28,7 +28,7 @@ A flag on the command line wins over the environment.
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
 --push-dtype, --max-staleness, --sketch-every, --ef-decay, and the local-step settings --sync-every,
---outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio) are fixed by the peer that starts the swarm and kept
+--outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio, and --max-contributors) are fixed by the peer that starts the swarm and kept
 in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
 
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
       "--outer-momentum 0.9 --outer-nesterov 1; default 0)")
     a("--overlap", type=int, help="with --sync-every: 1 = a window's round travels while the next window computes, "
       "and its outer step lands one window later (default 0)")
+    a("--max-contributors", type=int, help="about this many peers send a payload per round: with more contributing "
+                                           "peers each sends every floor(peers / this) rounds the sum of its steps' "
+                                           f"gradients, so a peer's bytes stop growing with the swarm; 0: every peer "
+                                           f"every round (default {d.max_contributors})")
     a("--row-ratio", type=float, help="with --sync-every: push only this share of a window's table-row deltas, "
       "the largest first; the others are kept and added to the row's next delta (error feedback; default 1: all)")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")
@@ -100,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                                f"(default {d.seed})")
     a("--data", help="built-in task: train on these text files (a file or a directory) instead of the Python "
                      "standard library")
-    a("--threads", type=int, help=f"torch threads for this peer (default {d.threads})")
+    a("--threads", type=int, help="torch threads for this peer (default: the CPUs this process may use "
+      "(affinity, cgroup quota), divided among the ranks of a torchrun host; "
+      f"{d.threads} here); give each of several peers on one machine its share")
     a("--min-peers", type=int, help="wait until this many contributing peers are there before the first step; a "
                                     "torchrun host group counts as one (its leader contributes for its ranks); a "
                                     "swarm that is already training is joined instead (default 1)")
@@ -109,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")
     a("--table-lr", type=float, help="learning rate of the row-wise Adam on table rows (default: the task's "
                                      "table_lr; the built-in task's is 0.03)")
+    a("--row-state", help="swarm-wide: the table optimizer's second moment: full (one per value, Adam) or rowwise "
+      "(one per row, the mean of the row's squared gradient, as TorchRec's row-wise Adam: a third less table "
+      f"memory; default {d.row_state})")
     a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default {d.row_dtype})")
     a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16, int8 or int4 (default {d.push_dtype})")
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
@@ -116,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
       f"per row (default {d.push_window:g})")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
+    a("--free-run", type=int, choices=(0, 1), help="1: when this peer computes clearly slower than the swarm it stops "
+                                                     "waiting for each round and sends the sum of its steps when its "
+                                                     f"declared round is due; 0: it waits, and the others wait for it (default {d.free_run})")
+    a("--compute-speed", type=float, help="for tests and benchmarks: compute at this fraction of this peer's speed, "
+                                          "repeating its forward/backward (the extra passes are discarded) so that "
+                                          f"it keeps its CPU share (default {d.compute_speed:g})")
     a("--max-staleness", type=int, help=f"late payloads older than this many steps are dropped (default {d.max_staleness})")
     a("--aggregation", help="how a round's payloads are combined: mean, trimmed (coordinate-wise trimmed mean) "
                             f"or centered-clip (default {d.aggregation}; robust rules need >= 3 contributors)")

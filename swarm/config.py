@@ -11,9 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .threads import default_threads
+
 COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
 ROW_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # table rows and row gradients on the wire
 AGGREGATION_RULES = ("mean", "trimmed", "centered-clip")  # swarm/robust.py RULES
+ROW_STATES = ("full", "rowwise")  # the table optimizer's second moment: per value, or one per row (tables/shard.py)
 
 
 class ConfigError(ValueError):
@@ -42,7 +45,8 @@ class PeerConfig:
     batch_size: int = 16
     lr: float = 3e-3
     data: str = ""  # path of the user's text files; empty = the Python standard library
-    threads: int = 1
+    # torch threads: the CPUs this process may use, shared among a torchrun host's ranks (threads.py)
+    threads: int = field(default_factory=default_threads)
     min_peers: int = 1  # wait until this many peers are alive before the first step
     eval_batches: int = 8
     eval_every: int = 0  # also evaluate every this many steps (0 = only at the end)
@@ -62,6 +66,9 @@ class PeerConfig:
     outer_momentum: float = 0.0
     outer_nesterov: int = 0  # 1 = Nesterov outer momentum (DiLoCo's recipe: lr 0.7, momentum 0.9)
     overlap: int = 0  # 1 = window t's round travels while window t+1 computes (a one-window-delayed update)
+    # a round's contributors, at most about this many: with more contributing peers each sends a
+    # payload every floor(P / C) rounds, summing its steps between them (0: every peer, every round)
+    max_contributors: int = 4
     row_ratio: float = 1.0  # with local steps: the share of a window's row deltas pushed (largest first; the rest carried)
     min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
@@ -70,6 +77,7 @@ class PeerConfig:
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
     table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
     table_lr: float = 0.0  # row-wise Adam on the table rows; 0 = the task's table_lr (built-in: 0.03)
+    row_state: str = "full"  # "rowwise": the table Adam keeps one second-moment value per row, not per value
     row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
@@ -79,6 +87,12 @@ class PeerConfig:
     sketch_every: int = 100
     # rounds
     round_timeout: float = 20.0  # never wait longer than this for one round's payloads
+    # a testing knob: compute at this fraction of our speed (forward/backward repeated, the extra
+    # passes discarded), so a slow peer keeps its CPU share in tests and benchmarks
+    compute_speed: float = 1.0
+    # a peer clearly slower than the swarm stops waiting for each round (swarm/pacing.py); 0: it
+    # waits like the others, and they wait for it
+    free_run: int = 1
     max_staleness: int = 16  # payloads older than this many steps are dropped, not applied
     sync_timeout: float = 10.0  # a joiner waits at most this long for gradient traffic before syncing
     # robust aggregation (docs/design.md, "Robust aggregation")
@@ -138,6 +152,7 @@ class PeerConfig:
         need(not self.outer_nesterov or self.outer_momentum > 0, "--outer-nesterov needs an --outer-momentum > 0")
         need(self.overlap in (0, 1), f"--overlap must be 0 or 1, got {self.overlap}")
         need(not self.overlap or self.sync_every > 1, "--overlap needs --sync-every > 1 (it overlaps windows)")
+        need(0 <= self.max_contributors <= 4096, f"--max-contributors must be in 0..4096, got {self.max_contributors}")
         need(0 < self.row_ratio <= 1, f"--row-ratio must be in (0, 1], got {self.row_ratio}")
         need(self.row_ratio == 1 or self.sync_every > 1, "--row-ratio needs --sync-every > 1 (it selects window deltas)")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
@@ -147,6 +162,7 @@ class PeerConfig:
         need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
         need(0 <= self.table_lr < 1, f"--table-lr must be in (0, 1) (0 = the task's), got {self.table_lr}")
+        need(self.row_state in ROW_STATES, f"--row-state must be full or rowwise, got {self.row_state!r}")
         need(self.row_dtype in ROW_DTYPES,
              f"--row-dtype must be fp32, fp16, bf16, int8 or int4, got {self.row_dtype!r}")
         need(self.push_dtype in ROW_DTYPES,
@@ -155,6 +171,8 @@ class PeerConfig:
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
+        need(self.free_run in (0, 1), f"--free-run must be 0 or 1, got {self.free_run}")
+        need(0 < self.compute_speed <= 1, f"--compute-speed must be in (0, 1], got {self.compute_speed}")
         need(self.max_staleness >= 0, f"--max-staleness must be >= 0, got {self.max_staleness}")
         need(self.aggregation in AGGREGATION_RULES,
              f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")

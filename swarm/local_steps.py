@@ -15,6 +15,7 @@ overlap with: its iteration computes window w first.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from .codec import Encoded
@@ -114,7 +115,9 @@ class LocalSteps:
     def _inner(self, batch: Any, want: dict) -> tuple[Any, dict]:
         """One inner step on the window's working rows (training thread)."""
         rows = self.peer.window_rows.rows(want)
+        t0 = time.perf_counter()
         stats, row_grads = self.peer.replica.inner_step(batch, want, rows)
+        self.peer.slow_down(t0, batch, want, rows)
         self.peer.window_rows.update(row_grads)
         return stats, row_grads
 

@@ -39,10 +39,12 @@ from .status.timeline import Timeline
 from .steptimes import StepTimes
 from .tables import RowOptConfig
 from .tables.audit import ReplicaAudit
+from .tables.shard import row_kind
 from .tables.window import WindowRows
 from .tables.http import TableClient
 from .tables.service import TableService
 from .outer import OuterConfig
+from .pacing import Pacing
 from .replica import MAX_NONFINITE, Replica, StepStats
 from .roles import Role, Solo
 from .task import Task, TaskError, TaskTypeError, load_task
@@ -161,6 +163,7 @@ class Peer:
         self.sent_through = -1  # the last round our payload was sent for (an overlapped window runs ahead)
         self.window_rows: WindowRows | None = None
         self.local_steps = LocalSteps(self) if self.window > 1 else None
+        self.pacing = Pacing(self)  # which rounds we send for, and whether we run free (swarm/pacing.py)
         self.last_sketch: list[float] | None = None  # refreshed every few steps on the training thread
         self._runner: web.AppRunner | None = None
 
@@ -247,7 +250,8 @@ class Peer:
             self.replica.use_local_steps(OuterConfig(self.cfg.outer_lr, self.cfg.outer_momentum,
                                                      bool(self.cfg.outer_nesterov)))
             self.window_rows = WindowRows({t.name: t.dim for t in self.replica.table_specs},
-                                          RowOptConfig(kind="adam", lr=self.replica.table_lr), ratio=self.cfg.row_ratio)
+                                          RowOptConfig(kind=row_kind("adam", self.cfg.row_state), lr=self.replica.table_lr),
+                                          ratio=self.cfg.row_ratio)
         # the codec counts rounds: with local steps, --warmup-steps (inner steps) is that many windows
         codec_cfg = CodecConfig(mode=self.cfg.compression, ratio=self.cfg.ratio, chunk=self.cfg.chunk,
                                 warmup_steps=self.cfg.warmup_steps // self.window, ef_decay=self.cfg.ef_decay,
@@ -256,7 +260,8 @@ class Peer:
         self.compressor = Compressor(self.replica.manifest, codec_cfg, sender=self.id)
         self.tables = TableService(self.id, self.replica.table_specs, replicas=self.cfg.replicas,
                                    slots=self.cfg.table_slots,
-                                   opt=RowOptConfig(kind="adam", lr=self.replica.table_lr, deltas=self.window > 1),
+                                   opt=RowOptConfig(kind=row_kind("adam", self.cfg.row_state), lr=self.replica.table_lr,
+                                                    deltas=self.window > 1),
                                    inits=self.replica.table_inits)
         if not self.cfg.secret:
             import sys
@@ -339,8 +344,11 @@ class Peer:
 
     def expected(self, step: int) -> set[str]:
         """Peers whose step payload round ``step`` waits for (core/rounds.py)."""
+        paced = self.window == 1  # windows of local steps: every peer contributes to every window
         return rounds.expected(step, self.metas(live=True), self.book.active_senders(step, window=2),
-                               self.robust.banned_ids(time.monotonic()), self.id, self.active)
+                               self.robust.banned_ids(time.monotonic()), self.id,
+                               self.active and (not paced or self.pacing.sends_for(step)),
+                               declared=self.pacing.declared if paced else None)
 
     def offer(self, decoded: Any, nbytes: int) -> str:
         """File a validated payload of ``nbytes`` from the network (called by the /v1/grads route)."""
@@ -348,7 +356,7 @@ class Peer:
         if self.robust.banned(decoded.sender, time.monotonic()):
             self.robust.refused(decoded.sender)
             return robust.BANNED  # the route answers 403
-        verdict = self.book.offer(decoded)
+        verdict = self.book.offer(decoded, time.monotonic())
         if verdict in (roundbook.ACCEPTED, roundbook.LATE):
             self._arrival.set()
         return verdict
@@ -484,7 +492,7 @@ class Peer:
     def _announce(self, from_step: int) -> None:
         """Take a data shard and tell the swarm we contribute from ``from_step`` on."""
         self.take_shard()
-        self.members.set_meta(active=1, active_from=from_step, step=self.book.step)
+        self.members.set_meta(active=1, active_from=from_step, step=self.book.step, nx=from_step, cs=-1)
         self.event("active", f"contributing from step {from_step}")
 
     async def _sync_state(self, donor_id: str | None = None) -> None:
@@ -627,12 +635,17 @@ class Peer:
                 if self.local_steps is not None:  # a round per window of inner steps (swarm/local_steps.py)
                     await self.local_steps.round(role, step)
                     continue
+                if self.group is None and self.active and self.pacing.free_running():
+                    prefetched = await _cancelled(prefetched)
+                    await self.free_step(role, step)  # slower than the swarm: do not hold its rounds up
+                    continue
                 clock.start()
                 batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
                 prefetched = None
                 clock.mark("rows")
+                send = role.gossips and self.pacing.due_round(step) == step  # our round (swarm/pacing.py)
                 stats, row_grads, enc = await self.work(self._compute, batch, want, rows, step, role.reducer,
-                                                        role.gossips)
+                                                        self.pacing.plan_next(step) if send else None, role.ranks)
                 clock.mark("compute")
                 self.check_finite(stats, step)
                 last = self.is_last_round(step)
@@ -643,6 +656,7 @@ class Peer:
                     # need to land within the owners' push window (on a slow link, bytes queued ahead
                     # of it delay everyone)
                     self.send_payload(enc)
+                    self.pacing.publish()
                 if role.prefetch and self.cfg.prefetch and not last:
                     # the next step's rows travel while this step's round completes; they may miss
                     # this step's own row update (one step stale), which is the price of the overlap
@@ -662,13 +676,59 @@ class Peer:
         await self.drain_pushes(keep=0)
 
     def _compute(self, batch, want, rows, step: int, reducer: Callable[[torch.Tensor], None] | None,
-                 gossip: bool) -> tuple[StepStats, dict, Encoded | None]:
+                 send_next: int | None, ranks: int = 1) -> tuple[StepStats, dict, Encoded | None]:
         """Forward/backward, the role's reduction of the dense gradient (a host group's all_reduce),
-        and the payload of the result: one trip to the training thread."""
+        its gradient summed since our last payload, and (``send_next``: the round we declare next)
+        round ``step``'s payload of that sum: one trip to the training thread."""
+        t0 = time.perf_counter()
         stats, flat, row_grads = self.replica.compute(batch, want, rows)
+        self.slow_down(t0, batch, want, rows)
+        self.pacing.computed(time.perf_counter() - t0)
         if reducer is not None:
             reducer(flat)
-        return stats, row_grads, self.compressor.compress(flat, step) if gossip else None
+        self.pacing.add(flat, stats.samples * ranks if stats.finite else 0)
+        enc = self.pacing.payload(step, send_next, self.replica.manifest.numel) if send_next is not None else None
+        return stats, row_grads, enc
+
+    async def free_step(self, role: "Role", step: int) -> None:
+        """A step of a free-running peer (swarm/pacing.py): compute on the model as it is, take the
+        rounds that are complete without waiting for the others, and send the sum of our steps when
+        the round we declared is about to close."""
+        clock = self.step_times
+        clock.start()
+        batch, want, rows, missing = await self._fetch_batch(role)
+        clock.mark("rows")
+        stats, row_grads, _ = await self.work(self._compute, batch, want, rows, step, None, None, role.ranks)
+        clock.mark("compute")
+        self.check_finite(stats, step)
+        await role.push(row_grads, missing, step)
+        self.record_contribution(stats, None)
+        clock.mark("send")
+        while not self.stopping and not self.is_last_round(self.book.step - 1):
+            s = self.book.step
+            if not self.book.ready(s, self.expected(s), time.monotonic(), self.cfg.round_timeout):
+                break
+            await self.take_round(s)  # complete: no wait
+            await self.after_step(s, stats.loss)
+        due = self.pacing.due_round(self.book.step)
+        if self.pacing.pending_steps and not self.is_last_round(due - 1) and self.pacing.pace.due(due, time.monotonic()):
+            nxt = self.pacing.plan_next(due)
+            enc = await self.work(self.pacing.payload, due, nxt, self.replica.manifest.numel)
+            self.send_payload(enc)
+            self.record_payload(enc)
+            self.pacing.publish()
+        clock.mark("after")
+        clock.end()
+
+    def slow_down(self, t0: float, batch, want, rows) -> None:
+        """--compute-speed F < 1 (tests, benchmarks): repeat the step's forward/backward until the
+        compute begun at ``t0`` took 1/F of its time (training thread)."""
+        if self.cfg.compute_speed < 1:
+            one = time.perf_counter() - t0
+            until = t0 + one / self.cfg.compute_speed
+            # a pass starts only while more than half of one is left: the overshoot stays under half a pass
+            while until - time.perf_counter() > one / 2 and not self._stop.is_set():
+                self.replica.rehearse(batch, want, rows)
 
     async def _fetch_batch(self, role: "Role") -> tuple[Any, dict, dict, dict]:
         """The next batch and its table rows, pulled from their owners as the role does it."""
@@ -757,6 +817,7 @@ class Peer:
         exp = await self._wait_round(step)
         self.step_times.mark("round")
         result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
+        self.pacing.completed(step, result.completed_at)
         if result.timed_out:
             self.event("round-timeout", f"step {step} went ahead without {', '.join(p[:8] for p in result.missing)}")
         # payloads of banned senders (filed before the ban) leave the round, on every peer alike

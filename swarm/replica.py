@@ -347,6 +347,27 @@ class Replica:
                           finite=finite)
         return stats, flat, row_grads
 
+    def rehearse(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> None:
+        """Forward and backward on ``batch`` again with everything discarded: gradients, buffer
+        changes and random draws (--compute-speed: a peer slowed for a test or a benchmark spends
+        the CPU a slower machine would, instead of sleeping and freeing the cores)."""
+        self.model.train()
+        before = {n: b.detach().clone() for n, b in self.buffers.items()}
+        with torch.random.fork_rng(devices=[]):
+            leaves = self._bind(want, rows, grad=True)
+            try:
+                loss = self._loss(to_device(batch, self.device))
+                if bool(torch.isfinite(loss.detach())):
+                    call_user("loss().backward()", loss.backward)
+            finally:
+                self._unbind()
+        with torch.no_grad():
+            for name, b in self.buffers.items():
+                b.copy_(before[name])
+        for p in self.params:
+            p.grad = None
+        del leaves
+
     def check(self) -> None:
         """Try the task once before the peer listens: a batch, its ids, a forward and backward
         (nothing of the replica changes). TaskError or UserCodeError name what is wrong."""

@@ -13,6 +13,13 @@ Rules (``--aggregation``):
   ``v <- v + mean_i clip(x_i - v, tau)`` for a fixed number of iterations from v = 0, with tau the
   (lower) median of ``||x_i - v||`` at each iteration.
 
+Weights: a payload that says the samples behind it (a slow peer's, or one that contributes every
+few rounds with several steps' gradients) weighs by them, capped at ``WEIGHT_CAP`` x the round's
+lower-median samples so no sender can claim the round for itself. ``mean`` is then sum(w x) /
+(on-time weight); ``trimmed`` cuts ``trim`` of the total weight from each end of every coordinate
+and takes the weighted mean of the rest; ``centered-clip`` moves by the weighted mean of the clipped
+differences. When every payload says the same samples (or one says none) the unweighted rules run.
+
 Before any rule, ``msg_clip`` > 0 clips each message to ``msg_clip`` x the round's lower-median
 message norm. The robust rules need >= ``MIN_ROBUST`` (3) contributors; with fewer, the (clipped)
 mean is used.
@@ -36,6 +43,7 @@ RULES = ("mean", "trimmed", "centered-clip")
 MIN_ROBUST = 3  # contributors needed before a robust rule is used (with 2, nobody is a majority)
 CC_ITERS = 3  # CenteredClip iterations
 OUTLIER_FACTOR = 4.0  # a message whose norm exceeds this x the round's median norm is an outlier
+WEIGHT_CAP = 8.0  # a payload weighs at most this x the round's lower-median samples
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ def aggregate(out: torch.Tensor, contributions: Sequence, cfg: RobustConfig = ME
         for c in cs:
             c.add_to(out, 1.0 / div)
         return rep
+    w = weights(cs)
     rep.norms = [_norm(_values(c)) for c in cs]
     med = rep.median_norm = lower_median(rep.norms)
     scale = [1.0] * m
@@ -115,20 +124,35 @@ def aggregate(out: torch.Tensor, contributions: Sequence, cfg: RobustConfig = ME
     if m >= MIN_ROBUST and med > 0:
         rep.outliers = [c.sender for c, nrm in zip(cs, rep.norms) if nrm > OUTLIER_FACTOR * med]
     if cfg.rule == "mean" or m < MIN_ROBUST:
-        for c, s in zip(cs, scale):
-            c.add_to(out, s / div)
+        if w is None:
+            for c, s in zip(cs, scale):
+                c.add_to(out, s / div)
+        else:
+            total = float(sum(w[:div]))
+            for c, s, wi in zip(cs, scale, w):
+                c.add_to(out, float(np.float32(s * wi / total)))
         return rep
     rep.rule = cfg.rule
     idx, mat = _densify(cs, scale, out.numel())
     if cfg.rule == "trimmed":
-        agg = _trimmed(mat, cfg.trim)
+        agg = _trimmed(mat, cfg.trim) if w is None else _trimmed_weighted(mat, w, cfg.trim)
     else:
-        agg = _centered_clip(mat)
+        agg = _centered_clip(mat, w=w)
     if idx is None:
         out.add_(agg)
     else:
         out.index_add_(0, idx, agg)
     return rep
+
+
+def weights(cs: Sequence) -> list[float] | None:
+    """Each contribution's weight: the samples it says, capped at WEIGHT_CAP x the lower median;
+    None (every payload weighs the same) when one says none or all say the same."""
+    said = [getattr(c, "samples", None) for c in cs]
+    if not said or any(x is None for x in said) or len(set(said)) == 1:
+        return None
+    cap = WEIGHT_CAP * lower_median([float(x) for x in said])
+    return [min(float(x), cap) for x in said]
 
 
 def _densify(cs: Sequence, scale: Sequence[float], n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -177,8 +201,26 @@ def _trimmed(mat: torch.Tensor, trim: float) -> torch.Tensor:
     return _row_sum(srt[cut:m - cut]) / (m - 2 * cut)
 
 
-def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS) -> torch.Tensor:
+def _trimmed_weighted(mat: torch.Tensor, w: Sequence[float], trim: float) -> torch.Tensor:
+    """Per coordinate: sort the values, cut ``trim`` of the total weight W from each end (a value
+    on the edge keeps the part of its weight inside), weighted mean of the rest."""
+    total = float(sum(w))
+    lo, hi = trim * total, (1.0 - trim) * total
+    srt, order = torch.sort(mat, dim=0)
+    wt = torch.tensor(w, dtype=torch.float64)[order]  # [m, u]: each sorted value's weight
+    acc = torch.zeros(mat.shape[1], dtype=torch.float64)
+    below = torch.zeros(mat.shape[1], dtype=torch.float64)
+    for j in range(mat.shape[0]):  # fixed order: the same bits on every peer
+        upto = below + wt[j]
+        kept = (torch.minimum(upto, torch.full_like(upto, hi)) - torch.maximum(below, torch.full_like(below, lo))).clamp_(min=0)
+        acc.add_(kept * srt[j].double())
+        below = upto
+    return (acc / (hi - lo)).float()
+
+
+def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS, w: Sequence[float] | None = None) -> torch.Tensor:
     m = mat.shape[0]
+    share = None if w is None else [float(np.float32(x / float(sum(w)))) for x in w]
     v = torch.zeros(mat.shape[1], dtype=torch.float32)
     for _ in range(iters):
         diff = mat - v
@@ -189,8 +231,8 @@ def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS) -> torch.Tensor:
         step = torch.zeros_like(v)
         for i in range(m):
             s = 1.0 if d[i] <= tau else float(np.float32(tau / d[i]))
-            step.add_(diff[i], alpha=s)
-        v.add_(step, alpha=1.0 / m)
+            step.add_(diff[i], alpha=s if share is None else float(np.float32(s * share[i])))
+        v.add_(step, alpha=1.0 / m if share is None else 1.0)
     return v
 
 

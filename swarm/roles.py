@@ -20,6 +20,7 @@ class Role(Protocol):
     prefetch: bool  # the next step's rows may be pulled while this step's round completes
     # in place on the training thread, after backward: the gradient the payload carries (None: as is)
     reducer: Callable[[torch.Tensor], None] | None
+    ranks: int  # processes whose samples one payload of this role carries (a host group's size)
 
     async def begin(self) -> bool: ...  # before the first step; False: do not train
 
@@ -44,6 +45,7 @@ class Solo:
     gossips = True
     prefetch = True
     reducer = None  # one process: its gradient is the peer's
+    ranks = 1
 
     def __init__(self, peer: Peer):
         self.peer = peer

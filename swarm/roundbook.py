@@ -40,6 +40,7 @@ class RoundResult:
     late: list[Contribution]
     missing: list[str]  # expected peers whose payload did not arrive
     timed_out: bool
+    completed_at: float | None = None  # when its last on-time payload arrived (None: not recorded)
 
     @property
     def contributors(self) -> list[str]:
@@ -78,9 +79,13 @@ class RoundBook:
     # rounds already taken remember who was in them, so a replayed payload is a duplicate, not late
     taken: dict[int, frozenset[str]] = field(default_factory=dict)
     stats: RoundStats = field(default_factory=RoundStats)
+    # per sender, the next round each of its payloads declared: {sender: {round: next}}
+    declared: dict[str, dict[int, int]] = field(default_factory=dict)
+    arrived: dict[int, float] = field(default_factory=dict)  # per pending round, its latest arrival
 
-    def offer(self, c: Contribution) -> str:
-        """File a validated payload; returns ACCEPTED, LATE, DUPLICATE, TOO_OLD or TOO_FAR_AHEAD."""
+    def offer(self, c: Contribution, now: float | None = None) -> str:
+        """File a validated payload (arrived at ``now``, if given); returns ACCEPTED, LATE,
+        DUPLICATE, TOO_OLD or TOO_FAR_AHEAD."""
         if c.step >= self.step + self.max_ahead:
             self.stats.too_far_ahead += 1
             return TOO_FAR_AHEAD
@@ -102,11 +107,22 @@ class RoundBook:
             return DUPLICATE
         slot[c.sender] = c
         self._seen(c)
+        if now is not None:
+            self.arrived[c.step] = max(now, self.arrived.get(c.step, now))
         self.stats.accepted += 1
         return ACCEPTED
 
     def _seen(self, c: Contribution) -> None:
         self.last_step_from[c.sender] = max(c.step, self.last_step_from.get(c.sender, -1))
+        nxt = getattr(c, "next", None)
+        if nxt is not None:
+            self.declared.setdefault(c.sender, {})[c.step] = nxt
+
+    def declared_for(self, sender: str, step: int) -> int | None:
+        """The next round ``sender``'s latest payload of a round before ``step`` declared (None:
+        we hold none that declared one)."""
+        rounds = [s for s in self.declared.get(sender, ()) if s < step]
+        return self.declared[sender][max(rounds)] if rounds else None
 
     def was_taken(self, sender: str, step: int) -> bool:
         return sender in self.taken.get(step, ())
@@ -146,8 +162,18 @@ class RoundBook:
             self.taken[c.step] = self.taken.get(c.step, frozenset()) | {c.sender}
         for s in [s for s in self.taken if s < step - self.max_staleness]:
             del self.taken[s]
+        self._prune_declared(step)
+        arrived = self.arrived.pop(step, None)
         self.step = step + 1
-        return RoundResult(step=step, on_time=on_time, late=late, missing=missing, timed_out=timed_out)
+        return RoundResult(step=step, on_time=on_time, late=late, missing=missing, timed_out=timed_out,
+                           completed_at=now if timed_out or arrived is None else arrived)
+
+    def _prune_declared(self, step: int) -> None:
+        """Keep each sender's latest declaration and those of the rounds a late payload may still join."""
+        for d in self.declared.values():
+            newest = max(d)
+            for s in [s for s in d if s < step - self.max_staleness and s != newest]:
+                del d[s]
 
     def reset(self, step: int) -> None:
         """Jump to ``step`` (after a state sync): drop what is older, keep what is newer."""
@@ -156,6 +182,7 @@ class RoundBook:
         self.late.clear()
         self.taken.clear()
         self.round_started.clear()
+        self.arrived = {s: t for s, t in self.arrived.items() if s >= step}
         self.step = step
 
     def active_senders(self, step: int, window: int) -> set[str]:
@@ -170,6 +197,7 @@ class RoundBook:
 
     def forget(self, peer_id: str) -> None:
         self.last_step_from.pop(peer_id, None)
+        self.declared.pop(peer_id, None)
 
 
 def aggregate_into(out, result: RoundResult, cfg: robust.RobustConfig | None = None) -> int:

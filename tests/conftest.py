@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
 SMALL = dict(table_rows=4096, table_slots=256, batch_size=4, threads=1, progress_interval=0.5, eval_batches=2,
-             warmup_steps=0, round_timeout=15.0)
+             warmup_steps=0, round_timeout=15.0,
+             # peers in one process share its GIL: their compute times say nothing of their speed
+             free_run=0)
 
 
 def small_cfg(**kw) -> PeerConfig:

@@ -32,8 +32,8 @@ def make_byzantine(peer: Peer, scale: float = -100.0) -> None:
     """Negate and scale the gradient before it is encoded: the payload stays valid for the codec."""
     honest = peer.compressor.compress
 
-    def compress(flat: torch.Tensor, step: int):
-        return honest(flat * scale, step)
+    def compress(flat: torch.Tensor, step: int, **tags):
+        return honest(flat * scale, step, **tags)
 
     peer.compressor.compress = compress
 

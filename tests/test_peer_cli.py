@@ -46,7 +46,8 @@ async def test_sigkill_of_one_peer_mid_run_the_others_finish(spawn):
     (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))
     assert ca == 0 and cb == 0
     for s in (sa, sb):
-        assert s["steps"] == steps and s["steps_contributed"] == steps
+        # every round (a peer the busy machine made look slow runs free and computes a few more)
+        assert s["steps"] == steps and s["steps_contributed"] >= steps, s["pacing"]
         assert s["val_loss"] < s["first_loss"]
     # the survivors applied the same rounds after the kill: their replicas still agree closely
     assert rel_l2(sa["param_sketch"], sb["param_sketch"]) <= 1e-2

@@ -62,6 +62,7 @@ class Compressor:
         self.residual = torch.zeros(self.n, dtype=torch.float32)
         self.skipped_steps = 0
         self.fallback_steps = 0   # steps sent dense because sparse would be larger
+        self._tag: tuple[int | None, int | None] = (None, None)  # (samples, next round) of the payload in the making
         # The sample only steers the threshold; the selected set is exact either way.
         self._rng = np.random.default_rng(seed)
         self.k_floor = self._k_for_bytes(config.min_bytes)
@@ -83,8 +84,10 @@ class Compressor:
 
     # -- helpers -------------------------------------------------------------
     def _pack(self, body: np.ndarray, k: int, mode: str, fmt: str, step: int) -> bytes:
+        samples, nxt = self._tag
         return payload.pack(body, manifest_hash=self.manifest.hash, n=self.n, k=k, mode=mode, fmt=fmt,
-                         block=self.config.block_size, step=step, sender=self.sender)
+                            block=self.config.block_size, step=step, sender=self.sender, samples=samples,
+                            next_round=nxt)
 
     def _sparse_cost(self, k: int, mode: str) -> int:
         """Body bytes plus the metadata bytes that differ from a dense payload."""
@@ -106,10 +109,19 @@ class Compressor:
         return Encoded(blob, mode, step, self.n, 0, True, dec)
 
     # -- main entry ------------------------------------------------------------
-    def compress(self, flat_grad: torch.Tensor, step: int) -> Encoded:
-        """Compress one step's flat gradient; non-finite input yields a skipped k=0 payload."""
+    def compress(self, flat_grad: torch.Tensor, step: int, *, samples: int | None = None,
+                 next_round: int | None = None) -> Encoded:
+        """Compress one step's flat gradient; non-finite input yields a skipped k=0 payload.
+        ``samples`` and ``next_round`` travel in the header when given (the payload's weight in
+        its round, and the round its sender contributes to next)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self._tag = (samples, next_round)
+        enc = self._compress(flat_grad, step)
+        enc.decoded.samples, enc.decoded.next = samples, next_round
+        return enc
+
+    def _compress(self, flat_grad: torch.Tensor, step: int) -> Encoded:
         g = flat_grad.detach()
         if g.numel() != self.n:
             raise ValueError(f"gradient has {g.numel()} entries, manifest has {self.n}")

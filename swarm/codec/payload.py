@@ -30,6 +30,10 @@ MAX_SENDER = 256
 DENSE_FORMATS = ("bf16", "fp32")
 _INT_RE = re.compile(r"0|[1-9][0-9]{0,18}")
 _BASE_KEYS = frozenset({"v", "h", "n", "k", "m", "f", "t", "s"})
+# optional: "w" the samples behind the payload (its weight in the round), "x" the next round the
+# sender will contribute to (docs/design.md, "Uneven peers and large swarms")
+_OPTIONAL_KEYS = frozenset({"w", "x"})
+MAX_SAMPLES = 1 << 40
 
 
 @dataclass
@@ -42,6 +46,8 @@ class Decoded:
     mode: str
     indices: torch.Tensor | None
     values: torch.Tensor
+    samples: int | None = None  # the samples behind it (None: unsaid, the round weighs it as the others)
+    next: int | None = None  # the next round its sender contributes to (None: unsaid, the one after)
 
     @property
     def k(self) -> int:
@@ -75,12 +81,16 @@ def body_size(n: int, k: int, fmt: str, block: int) -> int:
 
 
 def pack(body: np.ndarray, *, manifest_hash: str, n: int, k: int, mode: str, fmt: str,
-         block: int, step: int, sender: str) -> bytes:
+         block: int, step: int, sender: str, samples: int | None = None, next_round: int | None = None) -> bytes:
     """Serialize one payload as safetensors bytes."""
     meta = {"v": VERSION, "h": manifest_hash, "n": str(n), "k": str(k), "m": mode, "f": fmt,
             "t": str(step), "s": sender}
     if fmt in quant.LEVELS:
         meta["b"] = str(block)
+    if samples is not None:
+        meta["w"] = str(samples)
+    if next_round is not None:
+        meta["x"] = str(next_round)
     return safetensors.numpy.save({TENSOR: np.ascontiguousarray(body, dtype=np.uint8)}, metadata=meta)
 
 
@@ -166,8 +176,8 @@ def _decode(blob: bytes, manifest: Manifest, header_mode: str | None, max_ratio:
     if fmt not in allowed:
         raise CodecError(f"value format {str(fmt)[:20]!r} does not fit mode {mode!r} (expected {allowed})")
     want = _BASE_KEYS | ({"b"} if fmt in quant.LEVELS else set())
-    if set(meta) != want:
-        missing, extra = sorted(want - set(meta)), sorted(set(meta) - want)
+    if set(meta) - _OPTIONAL_KEYS != want:
+        missing, extra = sorted(want - set(meta)), sorted(set(meta) - want - _OPTIONAL_KEYS)
         raise CodecError(f"metadata keys wrong: missing {missing}, extra {extra[:8]}")
     manifest.check_hash(meta["h"])
     pn = _int(meta, "n", "entries")
@@ -178,6 +188,12 @@ def _decode(blob: bytes, manifest: Manifest, header_mode: str | None, max_ratio:
     sender = meta["s"]
     if len(sender) > MAX_SENDER:
         raise CodecError(f"sender name longer than {MAX_SENDER} chars")
+    samples = _int(meta, "w", "samples") if "w" in meta else None
+    if samples is not None and not 1 <= samples <= MAX_SAMPLES:
+        raise CodecError(f"samples {samples} outside [1, {MAX_SAMPLES}]")
+    nxt = _int(meta, "x", "next round") if "x" in meta else None
+    if nxt is not None and not step < nxt <= step + (1 << 20):
+        raise CodecError(f"next round {nxt} must follow round {step} (by at most 2^20)")
     block = 1
     if fmt in quant.LEVELS:
         block = _int(meta, "b", "block size")
@@ -210,11 +226,11 @@ def _decode(blob: bytes, manifest: Manifest, header_mode: str | None, max_ratio:
 
     if mode == "none":
         values = quant.dequantize_dense(body, fmt, n)
-        return Decoded(step, sender, n, mode, None, values)
+        return Decoded(step, sender, n, mode, None, values, samples, nxt)
     vsize = quant.value_bytes(fmt, k, block)
     vals = quant.dequantize_sparse(body[:vsize], fmt, k, block)
     idx = indexcode.decode(body[vsize:], n, k)
-    return Decoded(step, sender, n, mode, torch.from_numpy(idx), torch.from_numpy(vals))
+    return Decoded(step, sender, n, mode, torch.from_numpy(idx), torch.from_numpy(vals), samples, nxt)
 
 
 def subset_bound_bits(n: int, k: int) -> float:

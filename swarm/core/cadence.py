@@ -24,10 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection
 
-__all__ = ["cap_stride", "phase", "next_round", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MAX_STRIDE"]
+__all__ = ["cap_stride", "phase", "next_round", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN", "MAX_STRIDE"]
 
-SLOW_FACTOR = 1.25  # compute this x longer than the swarm's median: stop holding rounds up
-FAST_AGAIN = 1.1  # ... and hold them again (wait for each round) once under this x
+SLOW_FACTOR = 1.5  # compute this x longer than the swarm's median: stop holding rounds up
+FAST_AGAIN = 1.2  # ... and hold them again (wait for each round) once under this x
+MIN_SEEN = 8  # steps of our own timed before we judge
 MAX_STRIDE = 8  # rounds between two payloads of one peer, at most (well under max_staleness)
 MARGIN = 1.2  # a free-running peer declares rounds its compute fits into with this much to spare
 
@@ -94,7 +95,7 @@ class Pace:
     def update(self, others_s: Collection[float]) -> bool:
         """Decide, from the other contributors' compute times, whether we run free; returns it."""
         mine, theirs = self.step_s(), _median([x for x in others_s if x > 0])
-        if mine is None or theirs is None or len(self.computes) < 4:
+        if mine is None or theirs is None or len(self.computes) < MIN_SEEN:
             return self.free
         if not self.free and mine > SLOW_FACTOR * theirs:
             self.free = True

@@ -37,6 +37,9 @@ class PeerMeta:
     grank: int | None = None  # its rank in that group
     loss: float | None = None  # its recent mean train loss
     tps: int = 0  # its training throughput (tokens or samples per second)
+    next_round: int | None = None  # the next round it contributes to (core/cadence.py)
+    declared_at: int | None = None  # ... as declared by its payload of this round (-1: before any)
+    compute_ms: int = 0  # its median compute time per step, ms (0: unknown)
 
     @property
     def follower(self) -> bool:
@@ -65,4 +68,7 @@ class PeerMeta:
             grank=_int(m.get("grank"), None),
             loss=float(loss) if type(loss) in (int, float) and loss == loss and abs(loss) != float("inf") else None,
             tps=_int(m.get("tps"), 0),
+            next_round=_int(m.get("nx"), None),
+            declared_at=_int(m.get("cs"), None, lo=-1),
+            compute_ms=_int(m.get("ms"), 0),
         )

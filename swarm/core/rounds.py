@@ -11,20 +11,24 @@ from typing import Callable, Collection, Mapping
 
 from .meta import PeerMeta
 
-__all__ = ["RESYNC_LAG", "expected", "behind", "must_resync", "pick_donor", "traffic_reaches_us"]
+__all__ = ["RESYNC_LAG", "expected", "declared_next", "behind", "must_resync", "pick_donor", "traffic_reaches_us"]
 
 RESYNC_LAG = 8  # steps behind the furthest contributor after which a peer re-syncs its state
 
 
 def expected(step: int, live: Mapping[str, PeerMeta], recent_senders: Collection[str], banned: Collection[str],
-             self_id: str, self_active: bool) -> set[str]:
+             self_id: str, self_active: bool,
+             declared: Callable[[str, int], int | None] | None = None) -> set[str]:
     """The peers whose payload round ``step`` waits for.
 
     ``live``: the other live members' metadata (alive or suspect); ``recent_senders``: peers whose
     payloads reached us for the last rounds (RoundBook.active_senders) -- a peer whose 'active'
     has not reached us by gossip yet is still waited for when its payloads have. A peer that said
     its last round (a re-sync) is not waited for after it; one that (re)joined not before its
-    first round. Banned peers are never waited for."""
+    first round. Banned peers are never waited for. ``declared(peer, step)``: the round that peer
+    said it contributes to next, as of its last payload or metadata before ``step`` (None:
+    unknown); a peer that declared a later round is not waited for in this one (core/cadence.py).
+    ``self_active``: we contribute to this round ourselves."""
     exp: set[str] = set()
     for pid, m in live.items():
         if m.active and m.active_from <= step:
@@ -36,10 +40,28 @@ def expected(step: int, live: Mapping[str, PeerMeta], recent_senders: Collection
         if m.active and m.active_from > step:
             continue  # it (re)joined: it contributes from round `active_from` on, not before
         exp.add(pid)
+    if declared is not None:
+        exp = {p for p in exp if not _skips(declared(p, step), step)}
     exp -= set(banned)
     if self_active:
         exp.add(self_id)
     return exp
+
+
+def _skips(nxt: int | None, step: int) -> bool:
+    """A peer that declared ``nxt`` as its next round sends nothing for ``step`` < ``nxt``."""
+    return nxt is not None and nxt > step
+
+
+def declared_next(step: int, from_payloads: int | None, meta: PeerMeta) -> int | None:
+    """The round a peer contributes to next, as of round ``step``: what its latest payload before
+    ``step`` said, or its metadata when that is newer (gossip can carry a declaration whose payload
+    was lost or is late). None: it said nothing we hold."""
+    best = from_payloads
+    if meta.next_round is not None and meta.declared_at is not None and meta.declared_at < step:
+        if best is None or meta.next_round > best:
+            best = meta.next_round
+    return best
 
 
 def behind(step: int, alive: Mapping[str, PeerMeta]) -> int:

@@ -69,6 +69,10 @@ class HostGroup:
 
     prefetch = True  # the collective part of a prefetch at a fixed point (prefetch_started)
 
+    @property
+    def ranks(self) -> int:
+        return self.comm.world  # the leader's payload carries every rank's reduced gradient
+
     async def run(self, loop: Callable[["HostGroup"], Awaitable[None]]) -> None:
         """Run the peer's step loop as this rank; a broken group (a rank died, a collective timed
         out) ends this rank's training with an event, not a traceback."""

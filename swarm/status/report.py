@@ -53,6 +53,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
         "skipped_steps": p.skipped_steps,
         "rounds_timed_out": peer.book.stats.timed_out_rounds,
+        "pacing": peer.pacing.status(),  # which rounds it sent for, free-running (swarm/pacing.py)
         "late_payloads": peer.book.stats.late,
         "tokens": p.tokens,
         "samples": p.samples,
@@ -118,6 +119,7 @@ def status(peer: "Peer") -> dict:
         "dense_bytes": peer.dense_bytes,
         "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
         "rounds": vars(peer.book.stats).copy(),
+        "pacing": peer.pacing.status(),
         "rejected": dict(peer.rejected),
         "robust": {"aggregation": peer.cfg.aggregation, "msg_clip": peer.cfg.msg_clip,
                    "ban_seconds": peer.cfg.ban_seconds, "refused_banned": peer.rejected.get("banned", 0),
