@@ -10,6 +10,13 @@ time (a minor fault costs microseconds on a VM). Pinning both thresholds keeps t
 the price is that the process's resident size stays near its peak instead of shrinking between
 steps.
 
+One malloc arena (``limit_arenas``): glibc gives each thread that allocates while another holds
+the arena lock an arena of its own (up to 8 per core), and memory freed in one arena serves only
+that arena. A peer's threads (the event loop, the training thread, the table thread, the helpers)
+each allocate and free tensors of every size, so each arena grows to its own peak: measured by
+`bench/memory.py` on 4 peers of the default task, one arena cut the median peak RSS per peer by
+60-100 MB (docs/benchmarks.md, "Memory per peer"). MALLOC_ARENA_MAX in the environment wins.
+
 Only glibc has mallopt; elsewhere (musl, macOS, Windows) nothing is changed.
 """
 
@@ -17,10 +24,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+ARENA_MAX = 1
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 256 << 20
 
@@ -37,3 +47,16 @@ def keep_freed_memory(libc_name: str | None = None) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def limit_arenas(n: int = ARENA_MAX, libc_name: str | None = None) -> bool:
+    """Let this process's threads share ``n`` malloc arenas (call it before the threads start);
+    True if set. Left alone (False) when MALLOC_ARENA_MAX is set or without glibc."""
+    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(libc_name or ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_ARENA_MAX, int(n)))

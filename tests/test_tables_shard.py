@@ -1,6 +1,8 @@
 """TableShard: held slots, the row-wise optimizer against a dense reference, replicas, hand-off."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -291,3 +293,62 @@ def test_checked_grads_apply_once_checked_and_go_stale_when_slots_change():
     assert torch.equal(a.read(ids), before)
     with pytest.raises(ShardError, match="stale"):
         b.apply_checked(a.check_grads(ids, g))  # checked by another shard
+
+
+def _rss_anon_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_slots_never_written_take_no_memory():
+    spec = TableSpec("big", 65536, 128)   # 96 MiB of rows and Adam state
+    sh = TableShard(spec, 4096, RowOptConfig())
+    before = _rss_anon_mb()
+    sh.create_slots(range(4096))
+    assert sh.rows_held() == 65536 and sh.rows_allocated() == 65536
+    assert not sh.read(np.arange(0, 65536, 7)).any()
+    created = _rss_anon_mb() - before
+    assert created < 24, created       # zero rows are not written: the pool is still unmapped
+    ids = np.arange(0, 65536, 2)
+    sh.apply_grads(ids, torch.full((len(ids), 128), 0.5))
+    written = _rss_anon_mb() - before
+    assert written > 60, written       # every other row written: every page of the pool is mapped
+    assert torch.equal(sh.read(np.array([1, 2])), torch.cat([torch.zeros(1, 128), sh.read(np.array([2]))]))
+    # a few rows written far apart map a few pages, not the pool (no transparent huge pages: one
+    # written row would map 2 MiB)
+    sparse = TableShard(spec, 4096, RowOptConfig())
+    sparse.create_slots(range(4096))
+    before = _rss_anon_mb()
+    ids = np.arange(0, 65536, 1400)   # a row's values and Adam state are 1.5 KiB: ~2 MiB apart
+    sparse.apply_grads(ids, torch.ones(len(ids), 128))
+    assert _rss_anon_mb() - before < 12, _rss_anon_mb() - before
+
+
+def test_a_slot_created_where_rows_were_written_reads_zeros():
+    om = omap()
+    sh = TableShard(SPEC, om, RowOptConfig())
+    sh.create_slots([0, 1])
+    lo0, hi0 = om.slot_rows("ngram", 0)
+    sh.apply_grads(np.arange(lo0, hi0), torch.ones(hi0 - lo0, 8))
+    sh.drop_slot(0)
+    sh.drop_slot(1)      # nothing held: the pool is reused from its start
+    sh.create_slot(1)
+    lo1, hi1 = om.slot_rows("ngram", 1)
+    assert not sh.read(np.arange(lo1, hi1)).any() and not sh.steps(np.arange(lo1, hi1)).any()
+    assert sh.untouched(1)
+    sh.create_slot(0)    # overwrite: a held slot is reset to zeros
+    sh.apply_grads(np.array([lo0]), torch.ones(1, 8))
+    sh.create_slot(0)
+    assert not sh.read(np.arange(lo0, hi0)).any() and sh.untouched(0)
+    # growing and compacting the pool keep written rows and zero rows alike
+    for s in range(2, 64):
+        sh.create_slot(s)
+    sh.apply_grads(np.array([lo0, 999]), torch.ones(2, 8))
+    keep = sh.read(np.arange(1000)).clone()
+    for s in range(2, 60):
+        sh.drop_slot(s)
+    assert torch.equal(sh.read(np.arange(lo0, hi1)), keep[lo0:hi1])
+    assert torch.equal(sh.read(np.arange(960, 1000)), keep[960:1000])
