@@ -7,7 +7,8 @@ all with --min-peers N), polls every process's /proc/PID/status (VmHWM: the peak
 kernel saw; VmRSS; RssAnon / RssFile: heap against mapped files such as libtorch) and, at the
 peak, its /proc/PID/smaps_rollup, until every peer has exited after --steps. Extra peer.py flags
 after `--` go to every peer; --env KEY=VALUE sets a variable for every peer. Prints one line per
-peer, then the median peak, and as its LAST line one JSON object.
+peer, then the median peak, and as its LAST line one JSON object. ``--threads 1`` comes first, so
+a --threads after `--` wins.
 
     python3 bench/memory.py --peers 4 --steps 40
     python3 bench/memory.py --peers 4 --steps 40 -- --row-state rowwise
@@ -56,6 +57,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--rollup", action="store_true", help="also print the first peer's smaps_rollup at its peak")
     ap.add_argument("extra", nargs="*", help="peer.py flags for every peer (after --)")
     a = ap.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in a.env)}
@@ -110,7 +112,7 @@ def main() -> int:
         print(json.dumps(row))
     med = statistics.median(r["peak_rss_mb"] for r in rows)
     print(f"median peak RSS per peer: {med:.1f} MB (max {max(r['peak_rss_mb'] for r in rows):.1f})")
-    if os.environ.get("BENCH_ROLLUP"):
+    if a.rollup:
         print(rollup[0])
     print(json.dumps({"peers": a.peers, "steps": a.steps, "extra": a.extra, "env": a.env,
                       "median_peak_rss_mb": med, "max_peak_rss_mb": max(r["peak_rss_mb"] for r in rows),
