@@ -260,3 +260,36 @@ def test_row_state_is_a_swarm_setting_with_a_default_for_old_peers():
     assert settings.parse(old)["row_state"] == "full"  # a peer or checkpoint from before the setting
     swarm = settings.of(PeerConfig(row_state="rowwise"))
     assert "--row-state" in settings.conflict(swarm, {"row_state": "full"})
+
+
+@pytest.mark.timeout(180)
+async def test_peers_with_rowwise_state_replicate_and_hand_off_it():
+    from .test_tables_swarm import holders, push_random, settled, start_peers, until
+    from swarm.node import Peer
+    from .conftest import small_cfg
+
+    peers = await start_peers(2, row_dtype="fp32", row_state="rowwise")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        assert all(p.tables.shards[t].opt.kind == "rowwise-adam" for p in peers for t in ("ngram", "value"))
+        rng = np.random.default_rng(0)
+        for i, p in enumerate(peers * 2):
+            await push_random(p, rng, key=f"{p.id}:{i}")
+        joiner = Peer(small_cfg(join=f"127.0.0.1:{peers[0].port}"), out=lambda line: None)  # adopts rowwise
+        await joiner.start()
+        peers.append(joiner)
+        assert joiner.cfg.row_state == "rowwise"
+        await until(lambda: settled(peers), what="the joiner's hand-off")
+        omap = peers[0].tables.map
+        moved = 0
+        for t in ("ngram", "value"):
+            for slot in range(omap.n_slots(t)):
+                owners = holders(peers, t, slot)
+                assert len({p.tables.shards[t].checksum(slot) for p in owners}) == 1, (t, slot)
+                if joiner in owners and joiner.tables.shards[t].digest(slot)[0] > 0:
+                    moved += 1
+                    assert joiner.tables.shards[t].export_slot(slot)["v_row"].dim() == 1
+        assert moved > 0  # trained slots reached the joiner with their row-wise state
+    finally:
+        for p in peers:
+            await p.close()
