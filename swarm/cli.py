@@ -18,7 +18,7 @@ import sys
 import traceback
 
 from . import threads
-from .allocator import keep_freed_memory
+from .allocator import keep_freed_memory, limit_arenas
 from .config import ConfigError, PeerConfig, field_names, from_env
 from .task import TaskError, UserCodeError, parse_task_args
 
@@ -27,7 +27,7 @@ A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
---push-dtype, --max-staleness, --sketch-every, --ef-decay, and the local-step settings --sync-every,
+--push-dtype, --row-state, --max-staleness, --sketch-every, --ef-decay, and the local-step settings --sync-every,
 --outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio, and --max-contributors) are fixed by the peer that starts the swarm and kept
 in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
@@ -178,6 +178,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # before the model and the tables allocate (swarm/allocator.py)
+    limit_arenas()  # before any thread starts: one malloc arena for the peer's threads
     try:
         cfg, verbose = parse_config(argv)
     except ConfigError as e:
