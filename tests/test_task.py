@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def task_cfg(**kw) -> PeerConfig:
-    return PeerConfig(**{**dict(threads=1, table_slots=32, progress_interval=0.5, warmup_steps=0,
+    return PeerConfig(**{**dict(threads=1, table_slots=32, progress_interval=0.5, warmup_steps=0, free_run=0,
                                 round_timeout=15.0, linger=10.0), **kw})
 
 
