@@ -348,7 +348,7 @@ class Peer:
         return rounds.expected(step, self.metas(live=True), self.book.active_senders(step, window=2),
                                self.robust.banned_ids(time.monotonic()), self.id,
                                self.active and (not paced or self.pacing.sends_for(step)),
-                               declared=self.pacing.declared if paced else None)
+                               declared=self.book.declared_for if paced else None)
 
     def offer(self, decoded: Any, nbytes: int) -> str:
         """File a validated payload of ``nbytes`` from the network (called by the /v1/grads route)."""

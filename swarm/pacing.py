@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .core import cadence, rounds
-from .core.meta import PeerMeta
+from .core import cadence
 
 if TYPE_CHECKING:
     from .codec import Encoded
@@ -52,8 +51,9 @@ class Pacing:
     def plan_next(self, after: int) -> int:
         """The round we declare next when we send round ``after``'s payload: the cap's rotation, or
         further on when our compute needs it (a free-running peer)."""
-        cap_k = self.cap_stride()
-        ph = cadence.phase(self.peer.id, self.contributor_ids(), cap_k)
+        ids = self.contributor_ids()
+        cap_k = cadence.cap_stride(len(ids), self.cap)
+        ph = cadence.phase(self.peer.id, ids, cap_k)
         return cadence.next_round(after, max(cap_k, self.pace.stride()), cap_k, ph)
 
     def due_round(self, step: int) -> int:
@@ -66,13 +66,6 @@ class Pacing:
     def sends_for(self, step: int) -> bool:
         """We contribute to round ``step`` (pure: what core.rounds.expected asks of us)."""
         return self.next_round is None or self.next_round <= step
-
-    def declared(self, peer_id: str, step: int) -> int | None:
-        """The round ``peer_id`` said it contributes to next, as of round ``step`` (its payloads,
-        else its metadata): core.rounds.expected's ``declared``."""
-        m = self.peer.members.get(peer_id) if self.peer.members is not None else None
-        meta = PeerMeta.parse(m.meta) if m is not None else PeerMeta()
-        return rounds.declared_next(step, self.peer.book.declared_for(peer_id, step), meta)
 
     # -- pace -----------------------------------------------------------------------------------
     def free_running(self) -> bool:

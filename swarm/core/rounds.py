@@ -25,10 +25,10 @@ def expected(step: int, live: Mapping[str, PeerMeta], recent_senders: Collection
     payloads reached us for the last rounds (RoundBook.active_senders) -- a peer whose 'active'
     has not reached us by gossip yet is still waited for when its payloads have. A peer that said
     its last round (a re-sync) is not waited for after it; one that (re)joined not before its
-    first round. Banned peers are never waited for. ``declared(peer, step)``: the round that peer
-    said it contributes to next, as of its last payload or metadata before ``step`` (None:
-    unknown); a peer that declared a later round is not waited for in this one (core/cadence.py).
-    ``self_active``: we contribute to this round ourselves."""
+    first round. Banned peers are never waited for. ``declared(peer, step)``: the round that peer's
+    latest payload before ``step`` said it contributes to next (RoundBook.declared_for; None:
+    none), combined with its metadata (declared_next); a peer that declared a later round is not
+    waited for in this one (core/cadence.py). ``self_active``: we contribute to this round ourselves."""
     exp: set[str] = set()
     for pid, m in live.items():
         if m.active and m.active_from <= step:
@@ -41,7 +41,7 @@ def expected(step: int, live: Mapping[str, PeerMeta], recent_senders: Collection
             continue  # it (re)joined: it contributes from round `active_from` on, not before
         exp.add(pid)
     if declared is not None:
-        exp = {p for p in exp if not _skips(declared(p, step), step)}
+        exp = {p for p in exp if not _skips(declared_next(step, declared(p, step), live[p]), step)}
     exp -= set(banned)
     if self_active:
         exp.add(self_id)
