@@ -62,7 +62,6 @@ class Compressor:
         self.residual = torch.zeros(self.n, dtype=torch.float32)
         self.skipped_steps = 0
         self.fallback_steps = 0   # steps sent dense because sparse would be larger
-        self._tag: tuple[int | None, int | None] = (None, None)  # (samples, next round) of the payload in the making
         # The sample only steers the threshold; the selected set is exact either way.
         self._rng = np.random.default_rng(seed)
         self.k_floor = self._k_for_bytes(config.min_bytes)
@@ -83,8 +82,9 @@ class Compressor:
         return lo
 
     # -- helpers -------------------------------------------------------------
-    def _pack(self, body: np.ndarray, k: int, mode: str, fmt: str, step: int) -> bytes:
-        samples, nxt = self._tag
+    def _pack(self, body: np.ndarray, k: int, mode: str, fmt: str, step: int, tag: tuple[int | None, int | None]
+              ) -> bytes:
+        samples, nxt = tag  # the header's samples and next round (compress)
         return payload.pack(body, manifest_hash=self.manifest.hash, n=self.n, k=k, mode=mode, fmt=fmt,
                             block=self.config.block_size, step=step, sender=self.sender, samples=samples,
                             next_round=nxt)
@@ -98,12 +98,12 @@ class Compressor:
     def _dense_cost(self) -> int:
         return quant.value_bytes(self.config.dense_dtype, self.n, 1) + len(str(self.n))
 
-    def _skip(self, step: int) -> Encoded:
+    def _skip(self, step: int, tag: tuple[int | None, int | None]) -> Encoded:
         self.skipped_steps += 1
         mode = self.config.mode if self.config.mode != "none" else "topk"
         fmt = quant.SPARSE_FORMAT[mode]
         body = np.zeros(payload.body_size(self.n, 0, fmt, self.config.block_size), np.uint8)
-        blob = self._pack(body, 0, mode, fmt, step)
+        blob = self._pack(body, 0, mode, fmt, step, tag)
         dec = Decoded(step, self.sender, self.n, mode, torch.empty(0, dtype=torch.int64),
                       torch.empty(0, dtype=torch.float32))
         return Encoded(blob, mode, step, self.n, 0, True, dec)
@@ -116,12 +116,11 @@ class Compressor:
         its round, and the round its sender contributes to next)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        self._tag = (samples, next_round)
-        enc = self._compress(flat_grad, step)
+        enc = self._compress(flat_grad, step, (samples, next_round))
         enc.decoded.samples, enc.decoded.next = samples, next_round
         return enc
 
-    def _compress(self, flat_grad: torch.Tensor, step: int) -> Encoded:
+    def _compress(self, flat_grad: torch.Tensor, step: int, tag: tuple[int | None, int | None]) -> Encoded:
         g = flat_grad.detach()
         if g.numel() != self.n:
             raise ValueError(f"gradient has {g.numel()} entries, manifest has {self.n}")
@@ -134,12 +133,12 @@ class Compressor:
             norm = float(torch.linalg.vector_norm(g))
             if not math.isfinite(norm):
                 if not _all_finite(g):
-                    return self._skip(step)
+                    return self._skip(step, tag)
                 norm = float(torch.linalg.vector_norm(g, dtype=torch.float64))
             if norm > cfg.clip_norm:
                 g = g * (cfg.clip_norm / norm)
         elif not math.isfinite(float(g.sum())) and not _all_finite(g):
-            return self._skip(step)
+            return self._skip(step, tag)
 
         acc = self.residual
         if cfg.ef_decay != 1.0:
@@ -154,7 +153,7 @@ class Compressor:
         if mode == "none":
             fmt = cfg.dense_dtype
             body, deq = quant.quantize_dense(acc, fmt)
-            blob = self._pack(body, self.n, mode, fmt, step)
+            blob = self._pack(body, self.n, mode, fmt, step, tag)
             acc.sub_(deq)
             dec = Decoded(step, self.sender, self.n, mode, None, deq)
             return Encoded(blob, mode, step, self.n, self.n, False, dec)
@@ -168,7 +167,7 @@ class Compressor:
         a[idx] = v - deq                  # residual keeps unsent values + quantization error
         ibody = np.frombuffer(indexcode.encode(idx, self.n), dtype=np.uint8)
         kk = int(idx.size)
-        blob = self._pack(np.concatenate([vbody, ibody]), kk, mode, fmt, step)
+        blob = self._pack(np.concatenate([vbody, ibody]), kk, mode, fmt, step, tag)
         dec = Decoded(step, self.sender, self.n, mode, torch.from_numpy(idx), torch.from_numpy(deq))
         return Encoded(blob, mode, step, self.n, kk, False, dec)
 
