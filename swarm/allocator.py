@@ -35,28 +35,30 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_S
 TRIM_THRESHOLD = 256 << 20
 
 
+def _mallopt(libc_name: str | None = None):
+    """glibc's mallopt(int, int), or None where there is none (not Linux, not glibc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        mallopt = ctypes.CDLL(libc_name or ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
 def keep_freed_memory(libc_name: str | None = None) -> bool:
     """Raise glibc's mmap and trim thresholds for this process; True if both were set. Idempotent;
     a no-op (False) without glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(libc_name or ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mallopt = _mallopt(libc_name)
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def limit_arenas(n: int = ARENA_MAX, libc_name: str | None = None) -> bool:
     """Let this process's threads share ``n`` malloc arenas (call it before the threads start);
     True if set. Left alone (False) when MALLOC_ARENA_MAX is set or without glibc."""
-    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+    if "MALLOC_ARENA_MAX" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(libc_name or ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_ARENA_MAX, int(n)))
+    mallopt = _mallopt(libc_name)
+    return mallopt is not None and bool(mallopt(M_ARENA_MAX, int(n)))
