@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from swarm.config import BUILTIN_ONLY, PeerConfig
+from swarm.node import Peer
 
 ROOT = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -32,6 +33,18 @@ SMALL = dict(table_rows=4096, table_slots=256, batch_size=4, threads=1, progress
 
 def small_cfg(**kw) -> PeerConfig:
     return PeerConfig(**{**SMALL, **kw})
+
+
+async def start_peers(n: int, **kw) -> list[Peer]:
+    """``n`` in-process peers of ``small_cfg(**kw)`` on ephemeral ports, the others joining the first."""
+    first = Peer(small_cfg(**kw), out=lambda line: None)
+    await first.start()
+    peers = [first]
+    for _ in range(n - 1):
+        p = Peer(small_cfg(join=f"127.0.0.1:{first.port}", **kw), out=lambda line: None)
+        await p.start()
+        peers.append(p)
+    return peers
 
 
 def rel_l2(a, b) -> float:

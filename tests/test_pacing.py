@@ -15,7 +15,7 @@ from swarm.core import cadence, rounds
 from swarm.core.meta import PeerMeta
 from swarm.node import Peer
 
-from .conftest import small_cfg
+from .conftest import small_cfg, start_peers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,19 +192,8 @@ def test_payload_carries_samples_and_next_round_and_refuses_bad_ones():
 
 
 # -- real peers ----------------------------------------------------------------------------------------
-async def _peers(n: int, **kw) -> list[Peer]:
-    first = Peer(small_cfg(**kw), out=lambda line: None)
-    await first.start()
-    out = [first]
-    for _ in range(n - 1):
-        p = Peer(small_cfg(join=f"127.0.0.1:{first.port}", **kw), out=lambda line: None)
-        await p.start()
-        out.append(p)
-    return out
-
-
 async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_replicas():
-    peers = await _peers(8, steps=16, min_peers=8, max_contributors=3, round_timeout=10.0)
+    peers = await start_peers(8, steps=16, min_peers=8, max_contributors=3, round_timeout=10.0)
     victim = peers[5]
     runs = [asyncio.ensure_future(p.run()) for p in peers]
     try:
@@ -227,7 +216,7 @@ async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_repli
 
 
 async def test_a_slow_peer_runs_free_and_its_samples_still_count():
-    fast = await _peers(2, steps=40, min_peers=3)
+    fast = await start_peers(2, steps=40, min_peers=3)
     slow = Peer(small_cfg(steps=40, min_peers=3, join=f"127.0.0.1:{fast[0].port}", compute_speed=0.3, free_run=1),
                 out=lambda line: None)
     await slow.start()

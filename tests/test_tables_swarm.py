@@ -13,22 +13,11 @@ import torch
 from swarm.node import Peer
 from swarm.tables.formats import PushRequest, encode_push
 
-from .conftest import small_cfg
+from .conftest import small_cfg, start_peers
 
 pytestmark = pytest.mark.timeout(180)
 
 TABLES = ("ngram", "value")
-
-
-async def start_peers(n: int, **kw) -> list[Peer]:
-    first = Peer(small_cfg(**kw), out=lambda line: None)
-    await first.start()
-    peers = [first]
-    for _ in range(n - 1):
-        p = Peer(small_cfg(join=f"127.0.0.1:{first.port}", **kw), out=lambda line: None)
-        await p.start()
-        peers.append(p)
-    return peers
 
 
 async def until(cond, timeout: float = 30.0, what: str = "condition") -> None:
