@@ -306,18 +306,7 @@ class Replica:
         Returns the stats, the flat fp32 vector (parameter gradients, then the buffers' change) and
         the gradient of every pulled row: {table: (ids, grads [len(ids), d])}. A non-finite loss
         gives a zero vector and no row gradients (the step is skipped and counted)."""
-        self.model.train()
-        for p in self.params:
-            p.grad = None
-        before = {n: b.detach().clone() for n, b in self.buffers.items()}
-        leaves = self._bind(want, rows, grad=True)
-        try:
-            loss = self._loss(to_device(batch, self.device))
-            finite = bool(torch.isfinite(loss.detach()))
-            if finite:
-                call_user("loss().backward()", loss.backward)
-        finally:
-            self._unbind()
+        loss, finite, leaves, before = self._forward_backward(batch, want, rows)
         flat = torch.zeros(self.manifest.numel, dtype=torch.float32)
         row_grads: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         with torch.no_grad():
@@ -331,10 +320,7 @@ class Replica:
                 if not bool(torch.isfinite(flat).all()):
                     finite = False
                     flat.zero_()
-            for name, b in self.buffers.items():
-                b.copy_(before[name])
-        for p in self.params:
-            p.grad = None
+        self._undo(before)
         if finite:
             row_grads = {name: (want[name], leaves[name].grad.cpu() if leaves[name].grad is not None
                                 else torch.zeros(leaves[name].shape)) for name in want}
@@ -351,22 +337,36 @@ class Replica:
         """Forward and backward on ``batch`` again with everything discarded: gradients, buffer
         changes and random draws (--compute-speed: a peer slowed for a test or a benchmark spends
         the CPU a slower machine would, instead of sleeping and freeing the cores)."""
-        self.model.train()
-        before = {n: b.detach().clone() for n, b in self.buffers.items()}
         with torch.random.fork_rng(devices=[]):
-            leaves = self._bind(want, rows, grad=True)
-            try:
-                loss = self._loss(to_device(batch, self.device))
-                if bool(torch.isfinite(loss.detach())):
-                    call_user("loss().backward()", loss.backward)
-            finally:
-                self._unbind()
-        with torch.no_grad():
-            for name, b in self.buffers.items():
-                b.copy_(before[name])
+            before = self._forward_backward(batch, want, rows)[3]
+        self._undo(before)
+
+    def _forward_backward(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
+                          ) -> tuple[torch.Tensor, bool, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The task's loss on ``batch`` with ``rows`` bound, and its backward when finite: (loss,
+        finite, the bound row leaves, the buffers as they were before)."""
+        self.model.train()
         for p in self.params:
             p.grad = None
-        del leaves
+        before = {n: b.detach().clone() for n, b in self.buffers.items()}
+        leaves = self._bind(want, rows, grad=True)
+        try:
+            loss = self._loss(to_device(batch, self.device))
+            finite = bool(torch.isfinite(loss.detach()))
+            if finite:
+                call_user("loss().backward()", loss.backward)
+        finally:
+            self._unbind()
+        return loss, finite, leaves, before
+
+    @torch.no_grad()
+    def _undo(self, before: dict[str, torch.Tensor]) -> None:
+        """The buffers back to ``before`` and no gradients left: a step changes the replica only
+        through the aggregate (apply_aggregate)."""
+        for name, b in self.buffers.items():
+            b.copy_(before[name])
+        for p in self.params:
+            p.grad = None
 
     def check(self) -> None:
         """Try the task once before the peer listens: a batch, its ids, a forward and backward
