@@ -47,7 +47,7 @@ class Proc:
         for line in self.p.stdout:
             line = line.rstrip("\n")
             self.lines.append(line)
-            if m := re.search(r"listening on http://[^:]+:(\d+)", line):
+            if m := re.search(r"listening on https?://[^:]+:(\d+)", line):
                 self.port = int(m.group(1))
             if m := re.match(r"step (\d+) ", line):
                 self.step = int(m.group(1))

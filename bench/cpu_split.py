@@ -13,6 +13,10 @@ swarm-helper. The ratio of a pair (together / alone) is what the protocol costs 
 over --pairs is printed, and the LAST stdout line is one JSON object. Linux only (/proc).
 
     python3 bench/cpu_split.py                 # 4 peers, 3 pairs, ~4 minutes
+    python3 bench/cpu_split.py --pair tls      # together in plain HTTP vs together with a secret (TLS)
+
+With --pair tls each pair is (together, tls): the same swarm without and with a --secret, so every
+link TLS 1.3 and every request MACed; the difference is what TLS costs in CPU per peer-step.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = {"swarm-train": "train", "swarm-tables": "tables", "swarm-helper": "helpers"}
+TLS_SECRET = "swarm-cpu-split-benchmark-secret-0123"  # any secret: a swarm with one runs TLS
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -68,7 +73,8 @@ def steps_done(logs: list[Path]) -> list[int]:
 
 
 def run(mode: str, a, tmp: Path) -> dict:
-    """One run of --peers peers (``mode``: "together" or "alone"); CPU ms per peer-step by role."""
+    """One run of --peers peers (``mode``: "alone", "together", or "tls": together with a --secret);
+    CPU ms per peer-step by role."""
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -77,9 +83,11 @@ def run(mode: str, a, tmp: Path) -> dict:
         for i in range(a.peers):
             port = free_port()
             argv = [sys.executable, str(ROOT / "peer.py"), "--port", str(port), "--steps", str(a.steps),
-                    "--table-rows", str(a.table_rows), "--threads", "1", "--peer-id", f"p{i}",
+                    "--table-rows", str(a.table_rows), "--threads", "1", "--name", f"p{i}",
                     "--progress-interval", "0", "--eval-every", "0"]
-            if mode == "together":
+            if mode == "tls":
+                argv += ["--secret", TLS_SECRET]
+            if mode in ("together", "tls"):
                 argv += ["--min-peers", str(a.peers)]
                 if first is not None:
                     argv += ["--join", f"127.0.0.1:{first}"]
@@ -92,7 +100,7 @@ def run(mode: str, a, tmp: Path) -> dict:
                                               cwd=ROOT, start_new_session=True))
             if first is None:
                 first = port
-                if mode == "together":
+                if mode != "alone":
                     time.sleep(2.0)  # the others join it
         time.sleep(a.warmup)
         pids = [p.pid for p in procs]
@@ -123,7 +131,9 @@ def run(mode: str, a, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, default=4)
-    ap.add_argument("--pairs", type=int, default=3, help="(alone, together) pairs, run back to back")
+    ap.add_argument("--pairs", type=int, default=3, help="pairs of runs, back to back")
+    ap.add_argument("--pair", choices=("alone", "tls"), default="alone",
+                    help="alone: (peers alone, together); tls: (together, together with a secret: TLS)")
     ap.add_argument("--steps", type=int, default=400, help="each peer's --steps (it is stopped after the window)")
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds before the window (start-up, hand-off)")
@@ -136,31 +146,34 @@ def main() -> int:
     if a.peers < 2 or a.pairs < 1 or a.steps < 1 or a.warmup < 0 or a.window <= 0:
         print("--peers must be >= 2, --pairs >= 1, --steps >= 1, --warmup >= 0 and --window > 0", file=sys.stderr)
         return 2
+    first, second = ("alone", "together") if a.pair == "alone" else ("together", "tls")
     pairs = []
     with tempfile.TemporaryDirectory(prefix="swarm-cpu-") as tmp:
         for k in range(a.pairs):
             try:
-                alone = run("alone", a, Path(tmp))
-                together = run("together", a, Path(tmp))
+                x = run(first, a, Path(tmp))
+                y = run(second, a, Path(tmp))
             except RuntimeError as e:  # a run too short for its window: say so, no traceback
                 print(f"bench/cpu_split.py: {e}", file=sys.stderr)
                 return 2
-            ratio = round(together["ms_per_peer_step"] / alone["ms_per_peer_step"], 3)
-            pairs.append({"alone": alone, "together": together, "ratio": ratio})
-            print(f"pair {k + 1}: alone {alone['ms_per_peer_step']} ms {alone['by_role']}  |  together "
-                  f"{together['ms_per_peer_step']} ms {together['by_role']}  |  ratio {ratio}", flush=True)
-    roles = sorted({r for p in pairs for m in ("alone", "together") for r in p[m]["by_role"]})
-    med = {m: {r: statistics.median(p[m]["by_role"].get(r, 0.0) for p in pairs) for r in roles}
-           for m in ("alone", "together")}
+            ratio = round(y["ms_per_peer_step"] / x["ms_per_peer_step"], 3)
+            pairs.append({first: x, second: y, "ratio": ratio})
+            print(f"pair {k + 1}: {first} {x['ms_per_peer_step']} ms {x['by_role']}  |  {second} "
+                  f"{y['ms_per_peer_step']} ms {y['by_role']}  |  ratio {ratio}", flush=True)
+    modes = (first, second)
+    roles = sorted({r for p in pairs for m in modes for r in p[m]["by_role"]})
+    med = {m: {r: statistics.median(p[m]["by_role"].get(r, 0.0) for p in pairs) for r in roles} for m in modes}
     print(f"\nCPU ms per peer-step, median of {a.pairs} pairs ({a.peers} peers, loopback):")
-    print("| role | alone | together | extra |\n| --- | ---: | ---: | ---: |")
+    print(f"| role | {first} | {second} | extra |\n| --- | ---: | ---: | ---: |")
     for r in roles:
-        print(f"| {r} | {med['alone'][r]:.1f} | {med['together'][r]:.1f} | {med['together'][r] - med['alone'][r]:+.1f} |")
+        print(f"| {r} | {med[first][r]:.1f} | {med[second][r]:.1f} | {med[second][r] - med[first][r]:+.1f} |")
     result = {
         "peers": a.peers,
-        "cpu_ratio_together_over_alone": statistics.median(p["ratio"] for p in pairs),
+        "pair": list(modes),
+        f"cpu_ratio_{second}_over_{first}": statistics.median(p["ratio"] for p in pairs),
         "ratios": [p["ratio"] for p in pairs],
-        "ms_per_peer_step": {m: statistics.median(p[m]["ms_per_peer_step"] for p in pairs) for m in ("alone", "together")},
+        "ms_per_peer_step": {m: statistics.median(p[m]["ms_per_peer_step"] for p in pairs) for m in modes},
+        "wall_per_step_s": {m: statistics.median(p[m]["wall_per_step_s"] for p in pairs) for m in modes},
         "by_role_median": med,
         "pairs": pairs,
     }

@@ -8,8 +8,9 @@ settings, trained with synchronous data parallelism instead of gossip.
                    sparse row gradients (gloo); SparseAdam for the tables, Adam for the rest.
 
 Same as a swarm peer on the built-in task (swarm/tasks/bytelm): per-rank batch --batch-size, BatchSampler shard
-(rank, world) seeded like a peer with --peer-id, Adam(betas=(0.9, 0.95), eps=1e-8) at --lr with the
-peer's warm-up + cosine schedule (bytelm.lr_at), table lr --table-lr with Adam's default betas (the
+(rank, world) seeded the way a peer seeds its shard from its id (here the stand-in "p<rank>"; a swarm
+peer's id comes from its key, so its shards are other, equally random ones), Adam(betas=(0.9, 0.95),
+eps=1e-8) at --lr with the peer's warm-up + cosine schedule (bytelm.lr_at), table lr --table-lr with Adam's default betas (the
 swarm's row-wise Adam), final val_loss over val_batches(corpus, batch, 128, 8) on every rank.
 
 Prints one JSON line per step ({"step", "t", "loss", "compute_s", "comm_s"}; step = steps done,

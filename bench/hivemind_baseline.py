@@ -4,7 +4,7 @@ trained with `hivemind.Optimizer` (the `hivemind` package, optional: `pip instal
 
 The model is the one of `bench/ddp_baseline.py --tables dense`: SwarmLM with local tables, every
 parameter dense (8.4M fp32 table entries at --table-rows 32768). Same per-peer batch --batch-size,
-BatchSampler shard (index, peers) seeded like a swarm peer with --peer-id, Adam(betas=(0.9, 0.95),
+BatchSampler shard (index, peers) seeded like a swarm peer with the stand-in id "p<index>", Adam(betas=(0.9, 0.95),
 eps=1e-8) at --lr with the peer's warm-up + cosine schedule for the dense parameters, Adam at --table-lr
 with the default betas for the tables, final val_loss over val_batches(corpus, batch, 128, 8).
 

@@ -69,7 +69,7 @@ def main() -> int:
     last: list[dict[str, int]] = []
     try:
         for i in range(a.peers):
-            argv = base + ["--peer-id", f"m{i}"] + (["--port", str(port)] if i == 0 else ["--join", f"127.0.0.1:{port}"])
+            argv = base + ["--name", f"m{i}"] + (["--port", str(port)] if i == 0 else ["--join", f"127.0.0.1:{port}"])
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True))
             peak.append({})

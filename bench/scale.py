@@ -80,7 +80,7 @@ import wan  # noqa: E402  bench/wan.py: namespaces, processes, curve helpers
 ROOT = wan.ROOT
 WINDOW = wan.WINDOW  # peer.py's running-mean window of the loss
 # flags the benchmark sets itself on every peer (refused in --peer-args)
-OWN_FLAGS = ("--steps", "--batch-size", "--threads", "--join", "--host", "--port", "--peer-id",
+OWN_FLAGS = ("--steps", "--batch-size", "--threads", "--join", "--host", "--port", "--name",
              "--min-peers", "--progress-interval", "--seed")
 REQUIRED = ("bytes_sent_per_peer_step", "bytes_received_per_peer_step", "grad_bytes_sent_per_peer_step",
             "grad_bytes_received_per_peer_step", "step_time_over_floor", "rss_mb", "replicas_identical",
@@ -133,7 +133,7 @@ def flag_value(argv: list[str], flag: str, default: int) -> int:
     return out
 
 
-_LISTEN_RE = re.compile(r"listening on http://(\S+?)/?(?:\s|$)")
+_LISTEN_RE = re.compile(r"listening on https?://(\S+?)/?(?:\s|$)")
 
 
 def listen_addr(line: str) -> str | None:
@@ -455,7 +455,7 @@ class Poller:
 
 def peer_argv(a, i: int, host: str, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(a.steps),
-            "--batch-size", str(a.batch_size), "--seed", str(a.seed), "--threads", "1", "--peer-id", f"p{i}",
+            "--batch-size", str(a.batch_size), "--seed", str(a.seed), "--threads", "1", "--name", f"p{i}",
             "--progress-interval", "0", *a.peer_argv, *extra]
 
 

@@ -154,10 +154,13 @@ import delayline  # noqa: E402  (bench/delayline.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-dense", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse", "ddp-dense",
+METHODS = ("swarm", "swarm-dense", "swarm-tls", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse", "ddp-dense",
            "torchft-diloco", "hivemind")
 # run without --only: all but swarm-dense (dense fp32 payloads every step: ~12 min alone at 8mbit)
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "swarm-dense")
+# and swarm-tls (the default swarm with a secret, so TLS on every link: for its cost, --only swarm
+# --only swarm-tls)
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("swarm-dense", "swarm-tls"))
+TLS_SECRET = "swarm-wan-benchmark-secret-0123456789"  # any secret: a swarm with one runs TLS
 # synchronous baselines: their loss at step k does not depend on the link, so they run their budget
 # once (--sync-full-rate, default unshaped) and are only timed (--timing-steps) at each rate
 SYNC_METHODS = ("ddp-dense", "ddp-sparse", "torchft-diloco", "hivemind")
@@ -411,9 +414,9 @@ def has_compute_speed(help_text: str) -> bool:
 
 
 def fast_slow_split(summaries: list[dict], slow_id: str | None) -> tuple[list[dict], dict | None]:
-    """(the fast peers' summaries, the slow peer's or None), by `peer_id`; without a slow peer
+    """(the fast peers' summaries, the slow peer's or None), by `name` (--name p<i>); without a slow peer
     every peer is fast."""
-    slow = next((s for s in summaries if slow_id is not None and s.get("peer_id") == slow_id), None)
+    slow = next((s for s in summaries if slow_id is not None and s.get("name") == slow_id), None)
     return [s for s in summaries if s is not slow], slow
 
 
@@ -464,6 +467,7 @@ def local_flags(settings: dict, sync_every: int) -> list[str]:
 SWARM_FLAGS = {
     "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step
     "swarm-dense": ["--compression", "none"],
+    "swarm-tls": ["--secret", TLS_SECRET],  # the default swarm, every link TLS 1.3 (docs/security.md)
     "swarm-h8": local_flags({**LOCAL_STEP, "overlap": True}, 8),  # short windows: the round overlapped
     "swarm-h32": local_flags(LOCAL_STEP, 32),
     "swarm-diloco": local_flags(DILOCO, 32),
@@ -972,7 +976,7 @@ PY = [sys.executable]
 def peer_argv(a, i: int, host: str, port: int, steps: int, extra: list[str]) -> list[str]:
     return [*PY, str(ROOT / "peer.py"), "--host", host, "--port", str(port), "--steps", str(steps),
             "--batch-size", str(a.batch_size), "--table-rows", str(a.table_rows), "--seed", str(a.seed),
-            "--threads", "1", "--peer-id", f"p{i}", "--progress-interval", "0", *a.peer_model_flags,
+            "--threads", "1", "--name", f"p{i}", "--progress-interval", "0", *a.peer_model_flags,
             *slow_flags(getattr(a, "slow_peer", None), i, a.peers), *extra]
 
 
@@ -1060,11 +1064,11 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
 def peer_split(summaries: list[dict], n: int, slow_peer: float | None) -> dict:
     """What the fast peers waited and what each peer trained: `fast_peer_wait_share` (the mean wait
     share of the peers that are not slow: all of them without --slow-peer), `samples_by_peer`
-    {peer_id: samples}, and with a slow peer its samples and wait share."""
+    {name: samples}, and with a slow peer its samples and wait share."""
     slow_id = f"p{n - 1}" if slow_peer is not None else None
     fast, slow = fast_slow_split(summaries, slow_id)
     out = {"fast_peer_wait_share": peer_wait_share(fast),
-           "samples_by_peer": {s.get("peer_id"): s.get("samples") for s in summaries}}
+           "samples_by_peer": {s.get("name"): s.get("samples") for s in summaries}}
     if slow_id is not None:
         out.update(slow_peer_id=slow_id, slow_peer_samples=slow.get("samples") if slow else None,
                    slow_peer_steps_contributed=slow.get("steps_contributed") if slow else None,
@@ -1247,7 +1251,7 @@ def _mean(xs: list[float]) -> float | None:
 # ----------------------------------------------------------------------------- report
 
 
-COLORS = {"swarm": "C0", "swarm-dense": "C1", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
+COLORS = {"swarm": "C0", "swarm-dense": "C1", "swarm-tls": "C9", "ddp-sparse": "C2", "ddp-dense": "C3", "hivemind": "C4",
           "swarm-h8": "C5", "swarm-h32": "C6", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
 
 
@@ -1409,7 +1413,7 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=None, help="fixed target loss instead")
     ap.add_argument("--only", action="append", choices=METHODS,
                     help=f"run only these methods (repeatable; default all but swarm-dense: {', '.join(DEFAULT_METHODS)})")
-    ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS if m not in ("swarm", "swarm-dense")],
+    ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS if m not in ("swarm", "swarm-dense", "swarm-tls")],
                     default="swarm-h32", help="the local-step configuration the last line's figures are about")
     ap.add_argument("--step-repeats", type=int, default=1,
                     help="(contended floor, local method) pairs per rate whose median step-time ratio is reported")

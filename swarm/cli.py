@@ -54,10 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", help=f"address to listen on (default {d.host})")
     a("--port", type=int, help="port to listen on; 0 picks any free port (default 0)")
     a("--advertise", help="host[:port] the other peers should use to reach this one (default: --host)")
-    a("--join", help="host:port of any live member of the swarm to join")
-    a("--secret", help="shared secret of the swarm: every peer-to-peer request is signed with it "
-                       "(HMAC-SHA256); 'generate' (first peer only) makes one and prints the join command. "
-                       "Default: none, the swarm is open (see docs/security.md)")
+    a("--join", help="host:port of any live member of the swarm to join; with a --secret, host:port#FP pins "
+                     "its TLS certificate (SHA-256 fingerprint, as the join command of --secret generate prints it)")
+    a("--secret", help="shared secret of the swarm: every link is TLS and every request carries a MAC under it; "
+                       "'generate' (first peer only) makes one (kept next to the --key-file or in --checkpoint) "
+                       "and prints the join command. Default: none, the swarm is open (see docs/security.md)")
+    a("--key-file", help="this peer's Ed25519 key (made on first use, mode 0600); its peer id is derived from it. "
+                         "Default: peer.key in --checkpoint, else a new key (and id) every start")
+    a("--status-port", type=int, help="also serve the status page, /api/status, /api/events and /metrics over "
+                                      "plain HTTP on this port of 127.0.0.1, for local use (default 0: off; with "
+                                      "a --secret the main port is https only)")
     a("--status-auth", type=int, help="1: the status page, /api/status, /api/events and /metrics need the secret "
                                       "too (?token=, printed at start); 0: open (default 0)")
     a("--task", help="what to train: MODULE:ATTR or path/to/file.py:ATTR, a swarm.Task or a function returning "
@@ -152,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint", help="directory for periodic, atomic checkpoints; a peer started on it resumes from it")
     a("--checkpoint-every", type=float, help=f"seconds between checkpoints (default {d.checkpoint_every})")
     a("--progress-interval", type=float, help=f"seconds between progress lines (default {d.progress_interval})")
-    a("--peer-id", help="this peer's id (default: random)")
+    a("--name", help="a label for this peer in its summary and status (its id is derived from its key)")
     a("-v", "--verbose", action="store_true", help="log membership and round events to stderr")
     return p
 

@@ -105,7 +105,9 @@ class PeerConfig:
     checkpoint_every: float = 60.0  # seconds between checkpoints while training
     # output
     progress_interval: float = 3.0
-    peer_id: str = ""  # empty = random
+    name: str = ""  # a label for summaries and status; the peer id is derived from the key
+    key_file: str = ""  # the peer's Ed25519 key; empty: peer.key in --checkpoint, else a new key per start
+    status_port: int = 0  # plain-HTTP status routes on 127.0.0.1:PORT (0: off)
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the fields given on the command line or in SWARM_* variables (the CLI fills it); a Python
     # caller's non-default values count as given too
@@ -199,12 +201,21 @@ class PeerConfig:
             need(len(self.secret) >= 16 and self.secret.isprintable() and self.secret.strip() == self.secret,
                  "--secret must be at least 16 printable characters without surrounding spaces "
                  "(or 'generate' on the first peer)")
-        need("~" not in self.peer_id and self.peer_id.strip() == self.peer_id and len(self.peer_id) <= 120
-             and (self.peer_id.isprintable() or not self.peer_id),
-             f"--peer-id must be printable, at most 120 characters, without '~' or surrounding spaces, "
-             f"got {self.peer_id[:40]!r}")
+        need(len(self.name) <= 64 and self.name.isprintable() and self.name.strip() == self.name,
+             f"--name must be printable, at most 64 characters, without surrounding spaces, got {self.name[:40]!r}")
+        need(0 <= self.status_port <= 65535, f"--status-port must be 0..65535, got {self.status_port}")
+        need(not self.key_file or not os.path.isdir(self.key_file), f"--key-file {self.key_file!r} is a directory")
         if self.join:
-            parse_hostport(self.join, what="--join")
+            where, _, fp = self.join.partition("#")
+            parse_hostport(where, what="--join")
+            if fp:
+                need(bool(self.secret), "--join HOST:PORT#FP pins a TLS certificate: the swarm needs a --secret")
+                try:
+                    from .identity import parse_fingerprint
+
+                    parse_fingerprint(fp)
+                except ValueError as e:
+                    raise ConfigError(f"--join {self.join}: {e}") from None
         if self.advertise:
             parse_hostport(self.advertise, what="--advertise", port_optional=True)
         if self.data:
@@ -219,8 +230,9 @@ def bracket_host(host: str) -> str:
 def parse_hostport(text: str, *, what: str, port_optional: bool = False) -> tuple[str, int | None]:
     """'host:port' (or '[v6]:port') -> (host, port); ConfigError on anything else."""
     text = text.strip()
-    if text.startswith("http://"):
-        text = text[len("http://"):].rstrip("/")
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):].rstrip("/")
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""

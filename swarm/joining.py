@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import checkpoint
+from . import auth, checkpoint, identity
 from . import settings as swarm_settings
 from .bodies import PROTOCOL_VERSION, unpack_map
 from .config import ConfigError, bracket_host, parse_hostport
@@ -29,6 +29,16 @@ class JoinError(Exception):
 
 def not_a_peer(join: str, why: str) -> str:
     return f"--join {join} is not a swarm peer: {why} (check the host and port)"
+
+
+def split_join(join: str) -> tuple[str, int, bytes | None]:
+    """(host, port, pinned certificate fingerprint or None) of ``HOST:PORT[#FP]``."""
+    where, _, fp = join.partition("#")
+    host, port = parse_hostport(where, what="--join")
+    try:
+        return host, port, (identity.parse_fingerprint(fp) if fp else None)
+    except ValueError as e:
+        raise ConfigError(f"--join {join}: {e}") from None
 
 
 class Joining:
@@ -64,8 +74,8 @@ class Joining:
     async def swarm_info(self, join: str) -> dict:
         """GET /v1/swarm of the join target (retried while it is unreachable or starting): its
         protocol and settings. Something that is not a swarm peer is a JoinError saying so."""
-        data = await self.ask(join, "GET /v1/swarm", lambda target: self.peer.transport.request(
-            "GET", target + "/v1/swarm", timeout=5.0, kind="control"))
+        data = await self.ask(join, "GET /v1/swarm", lambda target, to, pin: self.peer.transport.request(
+            "GET", target + "/v1/swarm", to=to, pin=pin, timeout=5.0, kind="control"))
         try:
             info = unpack_map(data, 1 << 20)
         except Exception:
@@ -116,27 +126,38 @@ class Joining:
     async def ask(self, join: str, what: str, call: Callable[[str], Any]) -> Any:
         """``call(target)`` on the --join target, retried while it is unreachable or starting (up to
         --join-timeout); a refusal, or an answer that is not a swarm peer's, is a JoinError saying so."""
-        host, port = parse_hostport(join, what="--join")
-        target = f"http://{bracket_host(host)}:{port}"
+        host, port, pin = split_join(join)
+        target = self.target(join)
+        to = auth.address_name(host, port)
         deadline = time.monotonic() + self.peer.cfg.join_timeout
         while True:
             try:
-                return await call(target)
+                return await call(target, to, pin)
             except PeerUnreachable as e:
+                if e.code in ("fingerprint", "proof"):  # retrying cannot help: it is not the peer we mean
+                    raise JoinError(f"{target} is not the peer --join {join} names: {e.reason}") from None
                 if e.foreign and e.status is not None:
                     raise JoinError(not_a_peer(join, f"it answered {what} with HTTP {e.status}")) from None
                 if e.status is not None and 400 <= e.status < 500:
                     raise JoinError(f"{target} refused to let us join: {e.reason}") from None
                 if time.monotonic() > deadline:
-                    raise JoinError(f"cannot reach {target} to join: {e.reason}") from None
+                    hint = ""
+                    if not self.peer.cfg.secret and "Disconnected" in e.reason:  # a TLS port hung up on HTTP
+                        hint = " (a swarm with a --secret speaks TLS only: give this peer its --secret)"
+                    raise JoinError(f"cannot reach {target} to join: {e.reason}{hint}") from None
                 await asyncio.sleep(0.5)
 
+    def target(self, join: str) -> str:
+        """The URL of the --join target: https when the swarm has a secret (docs/security.md)."""
+        host, port, _ = split_join(join)
+        return f"{'https' if self.peer.cfg.secret else 'http'}://{bracket_host(host)}:{port}"
+
     async def join(self, join: str) -> None:
-        host, port = parse_hostport(join, what="--join")
-        target = f"http://{bracket_host(host)}:{port}"
+        target = self.target(join)
         body = self.hello()
         reply = await self.ask(join, "POST /v1/join",
-                                lambda t: self.peer.transport.call(t, "/v1/join", body, timeout=5.0))
+                                lambda t, to, pin: self.peer.transport.call(t, "/v1/join", body, to=to, pin=pin,
+                                                                             timeout=5.0))
         try:
             self.peer.members.handle_join_reply(reply.get("membership"), time.monotonic())
             swarm_step, started = int(reply["step"]), bool(reply["started"])

@@ -75,7 +75,7 @@ class MembershipShell:
         if isinstance(action, SendPing):
             t0 = now()
             try:
-                reply = await p.transport.call(action.addr, "/v1/ping", action.msg, timeout=action.timeout)
+                reply = await p.transport.call(action.addr, "/v1/ping", action.msg, to=action.target, timeout=action.timeout)
                 p.members.handle_ack(action.probe_id, reply, now())
                 p.timeline.record_rtt(action.target, now() - t0)
             except (PeerUnreachable, MembershipError) as e:
@@ -85,20 +85,20 @@ class MembershipShell:
                     p.spawn(self.carry_out(req), "membership-action")
         elif isinstance(action, SendPingReq):
             try:
-                reply = await p.transport.call(action.via_addr, "/v1/ping-req", action.msg, timeout=action.timeout)
+                reply = await p.transport.call(action.via_addr, "/v1/ping-req", action.msg, to=action.via, timeout=action.timeout)
                 ok = bool(reply.get("ok"))
                 p.members.ping_req_result(action.probe_id, ok, reply.get("ack") if ok else None, now())
             except (PeerUnreachable, MembershipError):
                 p.members.ping_req_result(action.probe_id, False, None, now())
         elif isinstance(action, SendSync):
             try:
-                reply = await p.transport.call(action.addr, "/v1/sync", action.msg, timeout=action.timeout)
+                reply = await p.transport.call(action.addr, "/v1/sync", action.msg, to=action.target, timeout=action.timeout)
                 self._fed(p.members.handle_sync_reply, reply, now())
             except PeerUnreachable:
                 pass
         elif isinstance(action, SendLeave):
             try:
-                await p.transport.call(action.addr, "/v1/leave", action.msg, timeout=action.timeout)
+                await p.transport.call(action.addr, "/v1/leave", action.msg, to=action.target, timeout=action.timeout)
             except PeerUnreachable:
                 pass
 
@@ -113,7 +113,7 @@ class MembershipShell:
     async def forward_ping(self, ping: SendPing) -> dict:
         """For /v1/ping-req: ping the target on a requester's behalf."""
         try:
-            ack = await self.peer.transport.call(ping.addr, "/v1/ping", ping.msg, timeout=ping.timeout)
+            ack = await self.peer.transport.call(ping.addr, "/v1/ping", ping.msg, to=ping.target, timeout=ping.timeout)
             return {"ok": True, "ack": ack}
         except PeerUnreachable:
             return {"ok": False}

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import checkpoint, divergence, robust, roundbook, threads
+from . import auth, checkpoint, credentials, divergence, robust, roundbook, threads, tls
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
@@ -31,6 +31,7 @@ from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate,
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .membership import Membership, MembershipConfig, SendSync
+from .identity import PeerKey
 from .joining import JoinError, Joining
 from .local_steps import LocalSteps
 from .membership_shell import MembershipShell
@@ -99,7 +100,12 @@ class Peer:
         if self.group_env is not None and cfg.sync_every > 1:
             raise ConfigError("--sync-every > 1 is not supported in a torchrun host group yet: run one peer per process")
         self.group = None  # the HostGroup, once started
-        self.id = cfg.peer_id or os.urandom(8).hex()  # a rank of a host group: "<rank 0's>~<rank>" (start)
+        # self-certifying: the id is derived from the key (swarm/identity.py); a rank of a host group
+        # shares its host's key and is "<host id>~<rank>" (start)
+        self.key, self.key_origin = credentials.load_key(cfg) if self.group_env is None or self.group_env.rank == 0 \
+            else (PeerKey.generate(), "")
+        self.id = self.key.id
+        self.tls = bool(cfg.secret)  # a swarm with a secret runs every link over TLS (docs/security.md)
         if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
             cfg.checkpoint = os.path.join(cfg.checkpoint, f"rank{self.group_env.rank}")
         self.counts = ByteCounts()
@@ -232,17 +238,24 @@ class Peer:
             # of this rank's collectives run
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
             self._exit.push_async_callback(asyncio.to_thread, comm.close)
-            # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
-            self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
-        from . import auth  # docs/security.md
+            # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py);
+            # every rank signs with its host's key (the ranks of one host trust each other: docs/security.md)
+            seed = (await self.work(comm.all_gather_text, self.key.seed().hex()))[0]
+            self.key = PeerKey.from_seed(bytes.fromhex(seed))
+            self.id = f"{self.key.id}~{comm.rank}"
         from .server import build_app  # the routes are a thin shell over this object
 
         generated = self.cfg.secret == "generate"  # (config: only without --join)
+        kept = False
         if generated:
-            self.cfg.secret = auth.generate_secret()
-        self.verifier = auth.Verifier(self.cfg.secret) if self.cfg.secret else None
+            self.cfg.secret, kept = credentials.generated_secret(self.cfg)
+        self.verifier = auth.Verifier(self.cfg.secret or None)
         self.status_token = auth.status_token(self.cfg.secret) if self.cfg.secret and self.cfg.status_auth else None
-        self.transport.signer = auth.Signer(self.cfg.secret) if self.cfg.secret else None
+        self.transport.signer = auth.Signer(self.key, self.id, self.cfg.secret or None)
+        self.transport.secret = self.cfg.secret or None
+        self.transport.pin_of = self._pin_of
+        self.names = auth.Names(self.id, tls=self.tls, fingerprint=self.key.fingerprint() if self.tls else "",
+                                proof_secret=self.cfg.secret if self.tls else None)
         await self.joining.agree_settings()
         self.replica = await self.work(self._build_replica, device)
         self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
@@ -271,28 +284,39 @@ class Peer:
         await self._runner.setup()
         self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
-        site = web.TCPSite(self._runner, self.cfg.host, port)
+        site = web.TCPSite(self._runner, self.cfg.host, port,
+                           ssl_context=tls.server_context(self.key) if self.tls else None)
         await site.start()
         port = self._runner.addresses[0][1]
         self.port = port
+        if self.cfg.status_port:  # plain HTTP, loopback only: the status routes (server.authenticate)
+            await web.TCPSite(self._runner, "127.0.0.1", self.cfg.status_port).start()
         adv_host, adv_port = (parse_hostport(self.cfg.advertise, what="--advertise", port_optional=True)
                               if self.cfg.advertise else (self.cfg.host, None))
         if adv_host in ("0.0.0.0", "::", ""):
             adv_host = "127.0.0.1"
-        self.addr = f"http://{bracket_host(adv_host)}:{adv_port or port}"
+        scheme = "https" if self.tls else "http"
+        self.addr = f"{scheme}://{bracket_host(adv_host)}:{adv_port or port}"
+        self.names.set_addresses(self.cfg.host, port, adv_host, adv_port or port)
         self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
                                   meta={"step": 0, "active": 0, "active_from": 0})
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
         self._exit.callback(self.table_client.batcher.close)
-        self.out(f"listening on http://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
+        self.out(f"listening on {scheme}://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
+        if self.key_origin:
+            self.out(f"peer key: {self.key_origin}")
         if generated:
-            self.out(f"join this swarm with: python3 peer.py --join {self.addr[len('http://'):]} "
-                     f"--secret {self.cfg.secret}")
+            pin = f"#{self.key.fingerprint()}" if self.tls else ""
+            self.out(f"join this swarm with: python3 peer.py --join {self.addr.split('://', 1)[1]}{pin} "
+                     f"--secret {self.cfg.secret}" + (" (the secret kept from an earlier start)" if kept else ""))
         if self.status_token:
             self.out(f"status page: {self.addr}/?token={self.status_token}")
+        if self.cfg.status_port:
+            self.out(f"status page (plain HTTP, this machine only): http://127.0.0.1:{self.cfg.status_port}/"
+                     + (f"?token={self.status_token}" if self.status_token else ""))
         join = self.cfg.join
         if comm is not None:
             join = await self._form_group(comm, join)
@@ -303,6 +327,11 @@ class Peer:
             await self.joining.resume(resume)
         await self.shell.update_map()
         self._spawn(self.shell.run(), "membership", critical=True)
+
+    def _pin_of(self, peer_id: str) -> str | None:
+        """The certificate fingerprint a member's signed record gives (the transport pins it)."""
+        m = self.members.get(peer_id) if self.members is not None else None
+        return getattr(m, "tls", None) or None
 
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,
@@ -328,7 +357,8 @@ class Peer:
         self.event("group", f"rank {comm.rank} of {comm.world} ({comm.backend}, {self.replica.device}); "
                              f"leader {ids[0][:8]}")
         if not join and comm.rank > 0:
-            join = addrs[0][len("http://"):]
+            # rank 0 serves the certificate of the key every rank shares: pin it
+            join = addrs[0].split("://", 1)[1] + (f"#{self.key.fingerprint()}" if self.tls else "")
         return join
 
     def table_layout(self) -> str:
@@ -399,7 +429,7 @@ class Peer:
                 continue
             for attempt in range(SEND_ATTEMPTS):
                 try:
-                    await self.transport.request("POST", addr + "/v1/grads", body=enc.blob, timeout=30.0,
+                    await self.transport.request("POST", addr + "/v1/grads", to=pid, body=enc.blob, timeout=30.0,
                                                  content_type="application/octet-stream",
                                                  headers={HEADER: enc.mode}, kind="grads", reply_kind="control")
                     self.dense_bytes += enc.dense_bytes
@@ -511,7 +541,7 @@ class Peer:
         limit = self.state_limit()
         while True:
             try:
-                blob = await self.transport.request("GET", donor.addr + "/v1/state", timeout=300.0,
+                blob = await self.transport.request("GET", donor.addr + "/v1/state", to=donor.peer_id, timeout=300.0,
                                                     reply_limit=limit, kind="state")
                 step = await self.work(self.replica.load_state_blob, blob)
             except (PeerUnreachable, ValueError) as e:

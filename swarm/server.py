@@ -23,8 +23,8 @@ from .replica import fingerprint_differs as task_differs
 from .tables.http import add_routes as add_table_routes
 from .tables.http import body_limits as table_body_limits
 from .status import routes as status_page
-from .bodies import (BODY, INLINE_BYTES, PROTOCOL_VERSION, BadRequest, error_response, msgpack_response, read_body,
-                   unpack_map)
+from .bodies import (BODY, INLINE_BYTES, PROTOCOL_VERSION, SENDER, BadRequest, error_response, msgpack_response,
+                     read_body, unpack_map)
 
 if TYPE_CHECKING:
     from .node import Peer
@@ -35,10 +35,15 @@ CONTROL_PATHS = ("/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave"
 # the status routes --status-auth 1 closes (/static/* stays open: the page's assets hold no data)
 STATUS_PATHS = ("/", "/api/status", "/api/events", "/metrics")
 STATUS_COOKIE = "swarm_status"
-VERIFIER: web.AppKey[auth.Verifier | None] = web.AppKey("verifier")  # None: no --secret, nothing is checked
+VERIFIER: web.AppKey[auth.Verifier] = web.AppKey("verifier")
+# the routes a joiner calls before it knows our id: the signature may name our address instead
+FIRST_CONTACT = (("GET", "/v1/swarm"), ("POST", "/v1/join"))
+
+NAMES: web.AppKey[auth.Names] = web.AppKey("names")
 STATUS_TOKEN: web.AppKey[str | None] = web.AppKey("status_token")  # None: the status routes are open
 # Every authentication failure gets exactly this answer, whatever failed (docs/security.md).
-UNAUTHORIZED_REASON = "unauthorized: this peer only answers requests signed with the swarm's --secret (HTTP 401)"
+UNAUTHORIZED_REASON = ("unauthorized: this peer only answers requests signed by a peer for this peer, "
+                       "with the swarm's --secret if it has one (HTTP 401)")
 
 
 def grads_limit(manifest) -> int:
@@ -71,14 +76,18 @@ def _unauthorized() -> web.Response:
 
 @web.middleware
 async def authenticate(request: web.Request, handler):
-    """With a --secret: every /v1/* request must be signed (swarm/auth.py); with --status-auth 1
+    """Every /v1/* request must be signed by its sender for this peer (swarm/auth.py; with a
+    --secret, MACed under it too); the sender's id goes to ``request[SENDER]``. With --status-auth 1
     the status routes need the status token (``?token=``, ``Authorization: Bearer``, the cookie the
     page sets) or a signature. The body is read here (through the route's limit) because the
-    signature covers its hash; the handler gets the same bytes from ``read_body``."""
+    signature covers its hash; the handler gets the same bytes from ``read_body``. With TLS on, the
+    plain-HTTP status port (--status-port) serves the status routes only."""
     verifier = request.app[VERIFIER]
-    if verifier is None:
-        return await handler(request)
+    names = request.app[NAMES]
     path = request.path
+    if names.tls and not request.secure and not (path in STATUS_PATHS or path.startswith("/static/")):
+        return error_response("this port serves the status page only; peer-to-peer routes are on the https port",
+                              404, "not-here")
     if not path.startswith("/v1/"):
         token = request.app[STATUS_TOKEN]
         if token is None or path not in STATUS_PATHS:
@@ -97,16 +106,24 @@ async def authenticate(request: web.Request, handler):
         if not any(h in request.headers for h in auth.HEADERS):
             return _unauthorized()
     now = time.time()
-    if not verifier.check_headers(request.headers, now):
+    receivers = names.first_contact if (request.method, path) in FIRST_CONTACT else names.own
+    if not verifier.check_headers(request.headers, now, receivers):
         return _unauthorized()  # refused before reading a byte of the body
     try:
         body = await read_body(request, body_limit(request))
     except BadRequest as e:
         return error_response(e.reason, e.status, e.code)
-    if not verifier.verify(request.method, request.raw_path, auth.body_hash(body), request.headers, now):
+    sender = verifier.verify(request.method, request.raw_path, auth.body_hash(body), request.headers, now, receivers)
+    if sender is None:
         return _unauthorized()
     request[BODY] = body
-    return await handler(request)
+    request[SENDER] = sender
+    resp = await handler(request)
+    to = request.headers[auth.TO]
+    if names.proof_secret and to.startswith("@") and isinstance(resp, web.StreamResponse) and not resp.prepared:
+        # a joiner that did not pin our certificate checks this before it believes the reply
+        resp.headers[auth.PROOF] = auth.proof(names.proof_secret, names.fingerprint, request.headers[auth.NONCE])
+    return resp
 
 
 @web.middleware
@@ -207,10 +224,14 @@ async def grads(request: web.Request) -> web.Response:
         decoded = decode() if len(body) <= INLINE_BYTES else await asyncio.to_thread(decode)
     except CodecError as e:
         peer.rejected["codec"] += 1
-        claimed = robust.claimed_sender(body)  # charged to a live member's score (docs/design.md)
+        claimed = request[SENDER]  # charged to its signer's score, if a live member (docs/design.md)
         if claimed and claimed != peer.id and (m := peer.members.get(claimed)) and m.state in ("alive", "suspect"):
             peer.robust.invalid(claimed, time.monotonic())
         raise BadRequest(f"rejected payload: {e}") from None
+    if decoded.sender != request[SENDER]:  # a payload can only be made by the peer it names
+        peer.rejected["sender"] += 1
+        raise BadRequest(f"payload names sender {decoded.sender[:16]!r} but was signed by {request[SENDER][:16]!r}",
+                         403, code="sender")
     if decoded.sender == peer.id:
         peer.rejected["sender"] += 1
         raise BadRequest("payload claims to come from this peer", 400)
@@ -257,7 +278,8 @@ async def status(request: web.Request) -> web.Response:
 def build_app(peer: "Peer") -> web.Application:
     app = web.Application(middlewares=[authenticate, errors], client_max_size=CONTROL_LIMIT)
     app[PEER] = peer
-    app[VERIFIER] = getattr(peer, "verifier", None)
+    app[VERIFIER] = peer.verifier
+    app[NAMES] = peer.names
     app[STATUS_TOKEN] = getattr(peer, "status_token", None)
     app.router.add_get("/v1/swarm", swarm_info)
     app.router.add_post("/v1/join", join)

@@ -1,18 +1,23 @@
 """Outgoing HTTP: one aiohttp session per peer, a timeout on every call, bounded reply sizes.
 
-Thin on purpose: it moves bytes and counts them; what the bytes mean is decided elsewhere.
+Thin on purpose: it moves bytes and counts them; what the bytes mean is decided elsewhere. Every
+request is signed for its receiver (swarm/auth.py); over TLS (a swarm with a secret) the receiver's
+certificate is pinned (swarm/tls.py), so its replies are authentic too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 from yarl import URL
 
+from . import auth, tls
 from .auth import Signer
 from .bodies import MSGPACK_TYPE, pack, unpack_map
 
@@ -46,7 +51,10 @@ class Transport:
     def __init__(self, counts: ByteCounts, headers: dict[str, str] | None = None):
         self.counts = counts
         self.headers = headers or {}
-        self.signer: Signer | None = None  # set when the swarm has a --secret: every request is signed
+        self.signer: Signer | None = None  # the peer's key: every request is signed (set at start)
+        self.secret: str | None = None  # checks a first contact's certificate proof (TLS)
+        # peer id -> the SHA-256 fingerprint (hex) of its certificate, from its signed member record
+        self.pin_of: Callable[[str], str | None] = lambda peer_id: None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -65,18 +73,35 @@ class Transport:
             await self._session.close()
             self._session = None
 
-    async def request(self, method: str, url: str, *, body: bytes | None = None, timeout: float,
+    async def request(self, method: str, url: str, *, to: str, body: bytes | None = None, timeout: float,
                       content_type: str = MSGPACK_TYPE, headers: dict[str, str] | None = None,
-                      reply_limit: int = 1 << 20, kind: str = "control", reply_kind: str | None = None) -> bytes:
-        """One call; returns the reply body (at most ``reply_limit`` bytes) or raises PeerUnreachable.
+                      reply_limit: int = 1 << 20, kind: str = "control", reply_kind: str | None = None,
+                      pin: bytes | None = None) -> bytes:
+        """One call to the peer ``to`` (its id, or ``@HOST:PORT`` for a first contact: auth.address_name);
+        returns the reply body (at most ``reply_limit`` bytes) or raises PeerUnreachable.
 
-        The body's bytes are counted as ``kind``, the reply's as ``reply_kind`` (default: the same)."""
+        Over https the receiver's certificate must match ``pin`` or the fingerprint its member record
+        carries; a first contact without either pins what the receiver presents and requires the
+        reply to prove it under the secret. The body's bytes are counted as ``kind``, the reply's as
+        ``reply_kind`` (default: the same)."""
         addr = url.split("/v1/")[0]
         hdrs = {"Content-Type": content_type, **(headers or {})} if body is not None else dict(headers or {})
+        proven: str | None = None  # the fingerprint (hex) a first contact's reply must prove
         try:
+            target = URL(url)
+            ssl_arg: aiohttp.Fingerprint | bool = True
+            if target.scheme == "https":
+                fp = pin if pin is not None else (None if to.startswith("@") else _hex_pin(self.pin_of(to)))
+                if fp is None:
+                    if not (to.startswith("@") and self.secret):
+                        raise PeerUnreachable(addr, f"no certificate is known for peer {to[:16]}", code="no-pin")
+                    der = await tls.peek_certificate(target.host or "", target.port or 443, min(timeout, 5.0))
+                    fp = hashlib.sha256(der).digest()
+                    proven = fp.hex()
+                ssl_arg = aiohttp.Fingerprint(fp)
             if self.signer is not None:  # over the request target exactly as aiohttp sends it
-                hdrs.update(self.signer.headers(method, URL(url).raw_path_qs, body, time.time()))
-            async with self.session.request(method, url, data=body, headers=hdrs,
+                hdrs.update(self.signer.headers(method, target.raw_path_qs, body, time.time(), to))
+            async with self.session.request(method, url, data=body, headers=hdrs, ssl=ssl_arg,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if body is not None:
                     self.counts.add_sent(kind, len(body))
@@ -88,23 +113,41 @@ class Transport:
                     if len(data) > reply_limit:
                         raise PeerUnreachable(addr, f"reply over {reply_limit} bytes", r.status)
                 self.counts.add_received(reply_kind or kind, len(data))
-                if r.status >= 400:
+                if r.status >= 400:  # (an unproven refusal can only make us give up, never change state)
                     reason, code, ours = _reason(data)
                     raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code, foreign=not ours)
+                if proven is not None and not auth.proof_ok(self.secret, proven, hdrs[auth.NONCE],
+                                                            r.headers.get(auth.PROOF)):
+                    raise PeerUnreachable(addr, f"{addr} did not prove its certificate (sha256 {proven[:16]}...) under "
+                                          "the swarm secret: a man in the middle, or a peer with another --secret",
+                                          code="proof")
                 return bytes(data)
+        except aiohttp.ServerFingerprintMismatch as e:
+            raise PeerUnreachable(addr, f"the certificate of {addr} has fingerprint {e.got.hex()}, not the pinned "
+                                  f"{e.expected.hex()}", code="fingerprint") from None
+        except tls.TLSError as e:
+            raise PeerUnreachable(addr, str(e), code="tls") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             # ValueError: an address no URL parser accepts (a member record is remote input)
             raise PeerUnreachable(addr, f"{e.__class__.__name__}: {e}" if str(e) else e.__class__.__name__) from None
 
-    async def call(self, addr: str, path: str, msg: dict, *, timeout: float, kind: str = "control",
-                   reply_limit: int = 1 << 20) -> dict:
-        """POST a msgpack map, return the msgpack map of the reply (at most ``reply_limit`` bytes)."""
-        data = await self.request("POST", addr + path, body=pack(msg), timeout=timeout, kind=kind,
-                                  reply_limit=reply_limit)
+    async def call(self, addr: str, path: str, msg: dict, *, to: str, timeout: float, kind: str = "control",
+                   reply_limit: int = 1 << 20, pin: bytes | None = None) -> dict:
+        """POST a msgpack map to the peer ``to`` at ``addr``, return the msgpack map of the reply (at
+        most ``reply_limit`` bytes)."""
+        data = await self.request("POST", addr + path, to=to, body=pack(msg), timeout=timeout, kind=kind,
+                                  reply_limit=reply_limit, pin=pin)
         try:
             return unpack_map(data, reply_limit)
         except Exception as e:
             raise PeerUnreachable(addr, f"bad reply: {e}") from None
+
+
+def _hex_pin(fp: str | None) -> bytes | None:
+    try:
+        return bytes.fromhex(fp) if fp else None
+    except ValueError:
+        return None
 
 
 def _reason(data: bytes) -> tuple[str, str, bool]:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +46,13 @@ async def start_peers(n: int, **kw) -> list[Peer]:
         await p.start()
         peers.append(p)
     return peers
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a peer that must listen on a known port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rel_l2(a, b) -> float:
@@ -86,7 +94,7 @@ class PeerProcess:
         raise AssertionError(f"no line matching {pattern!r}; got {self.lines[-5:]}, stderr: {self.stderr_tail()}")
 
     async def port(self) -> int:
-        return int((await self.read_until(r"listening on http://[^:]+:(\d+)")).group(1))
+        return int((await self.read_until(r"listening on https?://[^:]+:(\d+)")).group(1))
 
     async def finish(self, timeout: float = 120.0) -> tuple[int, dict | None]:
         """Wait for exit; returns (exit code, the JSON summary on the last stdout line or None)."""

@@ -26,7 +26,7 @@ def test_parse_peers():
 def test_parse_peer_args_passes_flags_and_refuses_the_benchmarks_own():
     assert scale.parse_peer_args('--max-contributors 4 --ratio 0.02') == ["--max-contributors", "4", "--ratio", "0.02"]
     assert scale.parse_peer_args("") == []
-    for bad in ("--steps 3", "--batch-size=4", "--join 1.2.3.4:5", "--peer-id x"):
+    for bad in ("--steps 3", "--batch-size=4", "--join 1.2.3.4:5", "--name x"):
         with pytest.raises(scale.ArgError, match="set by the benchmark"):
             scale.parse_peer_args(bad)
     with pytest.raises(scale.ArgError, match="--peer-args"):

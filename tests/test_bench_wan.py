@@ -513,7 +513,7 @@ def test_bad_delay_or_slow_peer_is_one_line_and_exit_2(monkeypatch, capsys, argv
 
 
 def _summary(pid, samples, wait):
-    return {"peer_id": pid, "samples": samples, "steps_contributed": samples // 16,
+    return {"peer_id": "f" * 32, "name": pid, "samples": samples, "steps_contributed": samples // 16,
             "step_phases": {"steps": 10, "wait_share": wait}}
 
 
@@ -521,7 +521,7 @@ def test_fast_peer_wait_share_leaves_the_slow_peer_out():
     summaries = [_summary("p0", 160, 0.5), _summary("p1", 160, 0.6), _summary("p2", 160, None),
                  _summary("p3", 160, 0.05)]
     fast, slow = wan.fast_slow_split(summaries, "p3")
-    assert [s["peer_id"] for s in fast] == ["p0", "p1", "p2"] and slow["peer_id"] == "p3"
+    assert [s["name"] for s in fast] == ["p0", "p1", "p2"] and slow["name"] == "p3"
     assert wan.peer_wait_share(fast) == 0.55  # p2 reported none
     out = wan.peer_split(summaries, 4, 0.5)
     assert out["fast_peer_wait_share"] == 0.55 and out["slow_peer_id"] == "p3"

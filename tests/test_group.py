@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,19 +18,13 @@ from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
 from swarm.group.rows import KEY_BITS, Exchange, GroupRows, pack_keys, unpack_keys
 from swarm.tables import OwnershipMap, TableSpec
 
-from .conftest import ROOT, json_summaries
+from .conftest import ROOT, free_port, json_summaries
 
 pytestmark = pytest.mark.timeout(300)
 
 # bench/gpu_check.sh runs these on NCCL and GPUs; CI runs them on gloo and CPUs
 BACKEND = os.environ.get("GROUP_TEST_BACKEND", "gloo")
 DEVICE = os.environ.get("GROUP_TEST_DEVICE", "cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(n: int) -> list[str]:

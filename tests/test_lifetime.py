@@ -11,15 +11,9 @@ import pytest
 
 from swarm.node import JoinError, Peer
 
-from .conftest import small_cfg
+from .conftest import free_port, small_cfg
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads_of(peer: Peer) -> list[str]:

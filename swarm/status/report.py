@@ -37,6 +37,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
     grads_sent = peer.counts.sent.get("grads", 0)
     return {
         "peer_id": peer.id,
+        "name": peer.cfg.name,
         "steps": peer.position(),  # optimizer steps (with local steps: inner steps)
         "rounds": peer.book.step,
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
@@ -100,6 +101,7 @@ def status(peer: "Peer") -> dict:
     elapsed = time.monotonic() - p.started_at if p.started_at else 0.0
     return {
         "peer_id": peer.id,
+        "name": peer.cfg.name,
         "addr": peer.addr,
         "step": peer.book.step,  # rounds (with local steps: windows)
         "inner_step": peer.position(),
@@ -121,6 +123,10 @@ def status(peer: "Peer") -> dict:
         "rounds": vars(peer.book.stats).copy(),
         "pacing": peer.pacing.status(),
         "rejected": dict(peer.rejected),
+        # what vouches for this peer (docs/security.md): its key, its certificate, the requests it refused
+        "security": {"tls": peer.tls, "fingerprint": peer.key.fingerprint() if peer.tls else None,
+                     "secret": bool(peer.cfg.secret), "key": peer.key_origin or "its host's key (host group rank)",
+                     "requests_accepted": peer.verifier.accepted, "requests_refused": peer.verifier.refused},
         "robust": {"aggregation": peer.cfg.aggregation, "msg_clip": peer.cfg.msg_clip,
                    "ban_seconds": peer.cfg.ban_seconds, "refused_banned": peer.rejected.get("banned", 0),
                    "peers": peer.robust.status(time.monotonic(), time.time() - time.monotonic())},

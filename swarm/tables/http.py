@@ -145,7 +145,7 @@ class TableClient:
             return None, True
         req = PullRequest(view=view, dtype=self.row_dtype, ids=sub)
         try:
-            data = await self.transport.request("POST", addr + "/v1/rows/pull", body=encode_pull(req),
+            data = await self.transport.request("POST", addr + "/v1/rows/pull", to=peer, body=encode_pull(req),
                                                 timeout=self.timeout, reply_limit=_rows_limit(sub, self.dims) + 65536,
                                                 kind="rows", reply_kind="rows")
             if len(data) <= INLINE_BYTES:  # a thread hop costs about what decoding this does
@@ -218,7 +218,7 @@ class TableClient:
         if addr is None or peer == "" or body is None:
             return False
         try:
-            await self.transport.request("POST", addr + "/v1/rows/push", body=body, timeout=self.timeout,
+            await self.transport.request("POST", addr + "/v1/rows/push", to=peer, body=body, timeout=self.timeout,
                                          content_type="application/octet-stream", kind="rows", reply_kind="rows")
             return True
         except PeerUnreachable:
@@ -277,7 +277,7 @@ class TableClient:
         if addr is None:
             return None
         try:
-            reply = await self.transport.call(addr, "/v1/rows/slots", {"table": table, "slots": slots},
+            reply = await self.transport.call(addr, "/v1/rows/slots", {"table": table, "slots": slots}, to=source,
                                               timeout=30.0, kind="handoff", reply_limit=1 << 28)
         except PeerUnreachable:
             return None
@@ -331,7 +331,7 @@ class TableClient:
         if addr is None:
             return None
         try:
-            reply = await self.transport.call(addr, "/v1/rows/digests", {"table": table, "view": view, "slots": slots},
+            reply = await self.transport.call(addr, "/v1/rows/digests", {"table": table, "view": view, "slots": slots}, to=primary,
                                               timeout=self.timeout, kind="audit", reply_limit=64 * (len(slots) + 16))
         except PeerUnreachable:
             return None
@@ -443,23 +443,23 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
         if addr is None:
             return False
         try:
-            await client.transport.request("POST", addr + "/v1/rows/replay", body=body, timeout=5.0,
+            await client.transport.request("POST", addr + "/v1/rows/replay", to=peer, body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
                                            reply_kind="replica")
             return True
         except PeerUnreachable as e:
             if e.code != "replica-diverged":
                 return False
-        return all([await heal(addr, rp) for rp in rps])
+        return all([await heal(peer, addr, rp) for rp in rps])
 
-    async def heal(addr: str, rp: Replay) -> bool:
+    async def heal(peer: str, addr: str, rp: Replay) -> bool:
         try:
             state = await client.work(client.service.full_state, rp.table, rp.ids)
         except (Moving, NotPrimary, ShardError):
             return False
         body = await asyncio.to_thread(encode_replica, rp.table, state, rp.view, rp.key)
         try:
-            await client.transport.request("POST", addr + "/v1/rows/replica", body=body, timeout=5.0,
+            await client.transport.request("POST", addr + "/v1/rows/replica", to=peer, body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
                                            reply_kind="replica")
             return True
