@@ -30,6 +30,7 @@ from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
+from .identity import PeerKey
 from .membership import Membership, MembershipConfig, SendSync
 from .joining import JoinError, Joining
 from .local_steps import LocalSteps
@@ -99,7 +100,9 @@ class Peer:
         if self.group_env is not None and cfg.sync_every > 1:
             raise ConfigError("--sync-every > 1 is not supported in a torchrun host group yet: run one peer per process")
         self.group = None  # the HostGroup, once started
-        self.id = cfg.peer_id or os.urandom(8).hex()  # a rank of a host group: "<rank 0's>~<rank>" (start)
+        # the id is the key's (swarm/identity.py); a rank of a host group: "<host key's id>~<rank>" (start)
+        self.key = PeerKey.generate()  # TODO(lead): the loaded --key-file key; --peer-id no longer applies
+        self.id = self.key.id
         if self.group_env is not None and cfg.checkpoint:  # one directory per rank: each holds its own slots
             cfg.checkpoint = os.path.join(cfg.checkpoint, f"rank{self.group_env.rank}")
         self.counts = ByteCounts()
@@ -233,7 +236,9 @@ class Peer:
             comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
             self._exit.push_async_callback(asyncio.to_thread, comm.close)
             # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py)
-            self.id = f"{(await self.work(comm.all_gather_text, self.id))[0]}~{comm.rank}"
+            # the ranks of a host share rank 0's key (docs/security.md: they trust each other)
+            self.key = PeerKey.from_seed(bytes.fromhex((await self.work(comm.all_gather_text, self.key.seed().hex()))[0]))
+            self.id = f"{self.key.id}~{comm.rank}"
         from . import auth  # docs/security.md
         from .server import build_app  # the routes are a thin shell over this object
 
@@ -280,8 +285,8 @@ class Peer:
         if adv_host in ("0.0.0.0", "::", ""):
             adv_host = "127.0.0.1"
         self.addr = f"http://{bracket_host(adv_host)}:{adv_port or port}"
-        self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
-                                  meta={"step": 0, "active": 0, "active_from": 0})
+        self.members = Membership(self.key, self.addr, time.monotonic(), MembershipConfig(),
+                                  meta={"step": 0, "active": 0, "active_from": 0}, peer_id=self.id)
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
