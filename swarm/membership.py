@@ -12,6 +12,13 @@ run is reproducible from its seed.
 Every received message is validated completely before any of it is applied;
 a malformed message raises :class:`MembershipError` and leaves the state
 untouched.  See docs/design.md, section "Membership", for the design.
+
+Self-certifying records: what a member says of itself (address, incarnation,
+meta, public key, TLS fingerprint) is a *claim* it signs with its key
+(swarm/identity.py); every receiver checks that the key is the id's and the
+signature is good, so no peer can speak for another, also not through a relay
+or in gossip.  ``suspect`` and ``dead`` are rumours other peers attach to a
+claim's incarnation; ``left`` only comes from the member's own signed claim.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+import msgpack
+
+from . import identity
+from .identity import PeerKey, owns
+
 __all__ = [
     "ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES",
     "MembershipError", "MembershipConfig", "Member", "Event",
     "SendPing", "SendPingReq", "SendSync", "SendLeave", "Membership",
-    "PROTOCOL_VERSION", "MAX_UPDATES", "MAX_MEMBERS",
+    "PROTOCOL_VERSION", "MAX_UPDATES", "MAX_MEMBERS", "CLAIM_LABEL", "CLAIM_KEYS",
 ]
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
@@ -36,13 +48,16 @@ STATES = (ALIVE, SUSPECT, DEAD, LEFT)
 # LEFT outranks DEAD so that a graceful leave is never "downgraded" to a death.
 _RANK = {ALIVE: 0, SUSPECT: 1, DEAD: 2, LEFT: 3}
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2       # 2: member records are signed claims (CLAIM_LABEL), the sender's header one of them
+CLAIM_LABEL = b"swarm member v1\n"   # signed: CLAIM_LABEL + the claim's msgpack bytes
+CLAIM_KEYS = ("id", "addr", "inc", "st", "meta", "mv", "pk", "tls")   # exactly these, in this order
+RECORD_KEYS = frozenset(("id", "state", "claim", "sig"))
+MAX_CLAIM_LEN = 8192       # bytes of one encoded claim (24 meta entries of 64+128 chars fit)
 MAX_ID_LEN = 128
 MAX_ADDR_LEN = 256
 MAX_UPDATES = 256          # piggybacked updates per ping/ack/ping-req/leave
 MAX_MEMBERS = 4096         # records in a full-state message (join reply, sync)
 MAX_MSG_KEYS = 32          # top-level keys of any message
-MAX_RECORD_KEYS = 8        # keys of one member record
 MAX_META_KEYS = 24
 MAX_META_KEY_LEN = 64
 MAX_META_STR_LEN = 128
@@ -99,6 +114,8 @@ class Member:
     incarnation: int
     changed_at: float
     meta: dict[str, Union[int, float, str]] = field(default_factory=dict)
+    public: bytes = b""   # its Ed25519 public key (the id is derived from it)
+    tls: str = ""         # its TLS certificate's SHA-256 fingerprint, hex ("" without TLS)
 
 
 @dataclass
@@ -151,15 +168,26 @@ class SendLeave:
 
 # -------------------------------------------------------------- validation --
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Rec:
-    """A validated member record (one update)."""
+    """A structurally valid member record (one update): its state and its decoded claim.
+
+    ``trust`` is set against this core's state before anything is applied: 2 = the claim is the
+    subject's (its signature checked, or the very bytes this core already holds), 1 = only the
+    rumour's state counts (its incarnation is that of a claim this core holds), 0 = not checked
+    because it would change nothing (it is skipped)."""
     peer_id: str
-    addr: str
     state: str
     inc: int
-    meta: dict | None
-    mv: int | None
+    addr: str
+    st: str
+    meta: dict
+    mv: int
+    pk: bytes
+    tls: str
+    claim: bytes
+    sig: bytes
+    trust: int = 0
 
 
 @dataclass
@@ -258,19 +286,68 @@ def _req(d: dict, key: str, what: str) -> Any:
         raise MembershipError(f"{what} is missing {key!r}") from None
 
 
-def _parse_record(d: Any, what: str) -> _Rec:
+def _check_tls(v: Any, what: str) -> str:
+    if type(v) is not str:
+        raise MembershipError(f"{what} must be a str, got {_tname(v)}")
+    if v and not (len(v) == 64 and all(c in "0123456789abcdef" for c in v)):
+        raise MembershipError(f"{what} must be empty or 64 lowercase hex digits (SHA-256)")
+    return v
+
+
+def _encode_claim(peer_id: str, addr: str, inc: int, st: str, meta: dict, mv: int, pk: bytes,
+                  tls: str) -> bytes:
+    """A claim's bytes: one msgpack map in CLAIM_KEYS order (deterministic for equal inputs)."""
+    return msgpack.packb({"id": peer_id, "addr": addr, "inc": inc, "st": st, "meta": meta, "mv": mv,
+                          "pk": pk, "tls": tls}, use_bin_type=True)
+
+
+def _decode_claim(data: bytes, what: str) -> dict:
+    try:
+        c = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_CLAIM_LEN,
+                            max_bin_len=MAX_CLAIM_LEN, max_array_len=MAX_META_KEYS,
+                            max_map_len=MAX_CLAIM_LEN, max_ext_len=0)
+    except Exception as e:  # msgpack raises a handful of types on malformed input
+        raise MembershipError(f"{what} is not one msgpack map ({type(e).__name__})") from None
+    if type(c) is not dict:
+        raise MembershipError(f"{what} must be a map, got {_tname(c)}")
+    if len(c) != len(CLAIM_KEYS) or any(k not in c for k in CLAIM_KEYS):
+        raise MembershipError(f"{what} must have exactly the keys {', '.join(CLAIM_KEYS)}")
+    return c
+
+
+def _parse_record(d: Any, what: str, allowed: tuple[str, ...] = STATES) -> _Rec:
+    """Check one record in full, short of its signature (which needs the core's state)."""
     if type(d) is not dict:
         raise MembershipError(f"{what} must be a dict, got {_tname(d)}")
-    _check_keys(d, what, MAX_RECORD_KEYS)
-    pid = _check_id(_req(d, "id", what), f"{what}.id")
-    addr = _check_addr(_req(d, "addr", what), f"{what}.addr")
-    state = _check_state(_req(d, "state", what), f"{what}.state")
-    inc = _check_uint(_req(d, "inc", what), f"{what}.inc", MAX_INCARNATION)
-    meta = mv = None
-    if "meta" in d or "mv" in d:
-        meta = _check_meta(_req(d, "meta", what), f"{what}.meta")
-        mv = _check_uint(_req(d, "mv", what), f"{what}.mv", MAX_META_VERSION)
-    return _Rec(pid, addr, state, inc, meta, mv)
+    if len(d) != len(RECORD_KEYS) or any(k not in d for k in RECORD_KEYS):
+        raise MembershipError(f"{what} must have exactly the keys {', '.join(sorted(RECORD_KEYS))}")
+    pid = _check_id(d["id"], f"{what}.id")
+    state = _check_state(d["state"], f"{what}.state", allowed)
+    claim, sig = d["claim"], d["sig"]
+    if type(claim) is not bytes or not 0 < len(claim) <= MAX_CLAIM_LEN:
+        raise MembershipError(f"{what}.claim must be bytes, at most {MAX_CLAIM_LEN}")
+    if type(sig) is not bytes or len(sig) != identity.SIGNATURE_LEN:
+        raise MembershipError(f"{what}.sig must be {identity.SIGNATURE_LEN} bytes")
+    c = _decode_claim(claim, f"{what}.claim")
+    if c["id"] != pid:
+        raise MembershipError(f"{what} is about {pid[:40]!r} but its claim names {str(c['id'])[:40]!r}")
+    addr = _check_addr(c["addr"], f"{what}.claim.addr")
+    inc = _check_uint(c["inc"], f"{what}.claim.inc", MAX_INCARNATION)
+    st = _check_state(c["st"], f"{what}.claim.st", (ALIVE, LEFT))
+    meta = _check_meta(c["meta"], f"{what}.claim.meta")
+    mv = _check_uint(c["mv"], f"{what}.claim.mv", MAX_META_VERSION)
+    pk = c["pk"]
+    if type(pk) is not bytes or len(pk) != identity.PUBLIC_LEN:
+        raise MembershipError(f"{what}.claim.pk must be {identity.PUBLIC_LEN} bytes")
+    tls = _check_tls(c["tls"], f"{what}.claim.tls")
+    # Its own state is the member's word; suspect/dead are others' rumours about an alive claim;
+    # nobody but the member can say it left.
+    if state != st and not (st == ALIVE and state in (SUSPECT, DEAD)):
+        raise MembershipError(f"{what} says {state!r} of a claim that says {st!r}"
+                              + (" (only the member's own signed claim can say it left)" if state == LEFT else ""))
+    if not owns(pk, pid):
+        raise MembershipError(f"{what}: the key in the claim is not the key of {pid[:40]!r}")
+    return _Rec(pid, state, inc, addr, st, meta, mv, pk, tls, claim, sig)
 
 
 def _parse_list(v: Any, what: str, cap: int) -> list[_Rec]:
@@ -285,8 +362,8 @@ _FULL_STATE = ("join_reply", "sync", "sync_reply")
 _WITH_UPDATES = ("ping", "ack", "ping_req", "leave")
 
 
-def _parse_message(msg: Any, kind: str, self_id: str) -> _Msg:
-    """Validate ``msg`` completely; raise MembershipError, never anything else."""
+def _parse_message(msg: Any, kind: str, self_id: str, origin: str | None = None) -> _Msg:
+    """Validate ``msg``'s structure completely; raise MembershipError, never anything else."""
     if type(msg) is not dict:
         raise MembershipError(f"{kind} message must be a dict, got {_tname(msg)}")
     _check_keys(msg, f"{kind} message", MAX_MSG_KEYS)
@@ -296,17 +373,16 @@ def _parse_message(msg: Any, kind: str, self_id: str) -> _Msg:
     t = _req(msg, "type", "message")
     if type(t) is not str or t != kind:
         raise MembershipError(f"expected a {kind!r} message, got type {t!r:.40}")
-    sender_id = _check_id(_req(msg, "from", kind), f"{kind}.from")
-    addr = _check_addr(_req(msg, "addr", kind), f"{kind}.addr")
-    inc = _check_uint(_req(msg, "inc", kind), f"{kind}.inc", MAX_INCARNATION)
-    state = _check_state(_req(msg, "state", kind), f"{kind}.state", (ALIVE, LEFT))
-    meta = _check_meta(_req(msg, "meta", kind), f"{kind}.meta")
-    mv = _check_uint(_req(msg, "mv", kind), f"{kind}.mv", MAX_META_VERSION)
-    if sender_id == self_id:
+    # the sender's header is its own signed record: its state is its claim's (alive or left)
+    sender = _parse_record(_req(msg, "from", kind), f"{kind}.from", (ALIVE, LEFT))
+    if sender.peer_id == self_id:
         raise MembershipError(f"{kind} message claims to come from this peer ({self_id!r})")
-    if kind == "leave" and state != LEFT:
+    if origin is not None and sender.peer_id != origin:
+        raise MembershipError(f"{kind} message claims to come from {sender.peer_id[:40]!r} "
+                              f"but was sent by {str(origin)[:40]!r}")
+    if kind == "leave" and sender.state != LEFT:
         raise MembershipError("leave message must carry state 'left'")
-    out = _Msg(kind, _Rec(sender_id, addr, state, inc, meta, mv), [])
+    out = _Msg(kind, sender, [])
     if kind in _FULL_STATE:
         out.records = _parse_list(_req(msg, "members", kind), "members", MAX_MEMBERS)
     elif kind in _WITH_UPDATES:
@@ -335,22 +411,36 @@ class _Probe:
 class Membership:
     """One peer's view of the swarm.  See the module docstring and docs/design.md."""
 
-    def __init__(self, peer_id: str, addr: str, now: float,
+    def __init__(self, key: PeerKey, addr: str, now: float,
                  config: MembershipConfig | None = None,
                  rng: random.Random | None = None,
-                 meta: dict | None = None) -> None:
+                 meta: dict | None = None, *,
+                 peer_id: str | None = None, tls: str = "") -> None:
+        """``key`` signs this peer's claims; ``peer_id`` is ``key.id`` unless given (a host group's
+        rank is ``f"{key.id}~{rank}"``); ``tls`` is the fingerprint of the certificate this peer
+        serves (``key.fingerprint()``), "" when the swarm runs without TLS."""
+        if not isinstance(key, PeerKey):
+            raise MembershipError(f"key must be a PeerKey, got {_tname(key)}")
+        peer_id = key.id if peer_id is None else peer_id
         _check_id(peer_id, "peer_id")
+        if not owns(key.public, peer_id):
+            raise MembershipError(f"peer_id {peer_id[:40]!r} is not the id of this key ({key.id})")
         _check_addr(addr, "addr")
+        _check_tls(tls, "tls")
         own_meta = _check_meta({} if meta is None else meta, "meta")
         self.config = config if config is not None else MembershipConfig()
         self.rng = rng if rng is not None else random.Random(zlib.crc32(peer_id.encode()))
+        self.key = key
         self.self_id = peer_id
         self.addr = addr
+        self.tls = tls
         self.events: collections.deque[Event] = collections.deque(maxlen=MAX_EVENTS)
         self.epoch = 0
         self._members: dict[str, Member] = {
-            peer_id: Member(peer_id, addr, ALIVE, 0, now, own_meta)}
+            peer_id: Member(peer_id, addr, ALIVE, 0, now, own_meta, key.public, tls)}
         self._mv: dict[str, int] = {peer_id: 0}     # meta version per peer
+        self._claims: dict[str, tuple[bytes, bytes]] = {}  # peer_id -> (claim, sig) as held
+        self._own_fields: tuple | None = None       # what our own held claim says (re-sign on change)
         self._bcast: dict[str, int] = {}            # peer_id -> times piggybacked
         self._probes: dict[int, _Probe] = {}        # our own outstanding probes
         self._relays: dict[int, tuple[str, float]] = {}  # pings we forward for others
@@ -358,6 +448,9 @@ class Membership:
         self._order_idx = 0
         self._next_pid = 1
         self._left = False
+        # diagnostics, not state (not in snapshot()): signatures checked and made
+        self.verifications = 0
+        self.signatures = 0
         cfg = self.config
         # Desynchronise peers started together; deterministic via rng.
         self._next_probe = now + self.rng.uniform(0.0, cfg.probe_interval)
@@ -388,6 +481,12 @@ class Membership:
         m = self._members.get(peer_id)
         return None if m is None else replace(m, meta=dict(m.meta))
 
+    def pin(self, peer_id: str) -> tuple[bytes, str] | None:
+        """``(public key, TLS fingerprint hex or "")`` of a member this core knows (any state),
+        from its own signed claim: what the transport pins a connection to; None for a stranger."""
+        m = self._members.get(peer_id)
+        return None if m is None else (m.public, m.tls)
+
     def snapshot(self) -> dict:
         """Everything this core holds, as plain data (copies, comparable with ``==``): the members
         and their meta versions, the gossip queue, our outstanding probes (``probes``, by probe id)
@@ -396,8 +495,9 @@ class Membership:
         changed nothing (every handler validates the whole message first) and what a step did when
         debugging. Its keys are for reading, not a wire format."""
         return {
-            "members": [(m.peer_id, m.addr, m.state, m.incarnation, m.changed_at, dict(m.meta))
+            "members": [(m.peer_id, m.addr, m.state, m.incarnation, m.changed_at, dict(m.meta), m.public, m.tls)
                         for _, m in sorted(self._members.items())],
+            "claims": {p: c for p, c in self._claims.items() if p != self.self_id},  # ours: re-signed lazily
             "meta_versions": dict(self._mv), "gossip": dict(self._bcast),
             "probes": {pid: (p.target, p.addr, p.started, p.deadline, p.direct_failed, p.indirect_pending)
                        for pid, p in self._probes.items()},
@@ -417,8 +517,8 @@ class Membership:
     def join_request(self) -> dict:
         return self._header("join")
 
-    def handle_join(self, msg: dict, now: float) -> dict:
-        parsed = _parse_message(msg, "join", self.self_id)
+    def handle_join(self, msg: dict, now: float, *, origin: str | None = None) -> dict:
+        parsed = self._parse(msg, "join", origin)
         if self._left:
             raise MembershipError("this peer has left the swarm; join through another member")
         self._apply_msg(parsed, now)
@@ -426,8 +526,8 @@ class Membership:
         self._after()
         return reply
 
-    def handle_join_reply(self, msg: dict, now: float) -> None:
-        parsed = _parse_message(msg, "join_reply", self.self_id)
+    def handle_join_reply(self, msg: dict, now: float, *, origin: str | None = None) -> None:
+        parsed = self._parse(msg, "join_reply", origin)
         self._apply_msg(parsed, now)
         self._after()
 
@@ -457,6 +557,7 @@ class Membership:
                     and now - m.changed_at >= cfg.dead_retention]:
             del self._members[pid]
             self._mv.pop(pid, None)
+            self._claims.pop(pid, None)
             self._bcast.pop(pid, None)
         # 4. at most one new probe per interval
         if now >= self._next_probe:
@@ -484,20 +585,21 @@ class Membership:
         self._after()
         return actions
 
-    def handle_ping(self, msg: dict, now: float) -> dict:
-        parsed = _parse_message(msg, "ping", self.self_id)
+    def handle_ping(self, msg: dict, now: float, *, origin: str | None = None) -> dict:
+        parsed = self._parse(msg, "ping", origin)
         self._apply_msg(parsed, now)
         ack = self._header("ack")
         ack["updates"] = self._piggyback(parsed.sender.peer_id)
         self._after()
         return ack
 
-    def handle_ack(self, probe_id: int, msg: dict, now: float) -> None:
-        parsed = _parse_message(msg, "ack", self.self_id)
+    def handle_ack(self, probe_id: int, msg: dict, now: float, *, origin: str | None = None) -> None:
+        parsed = _parse_message(msg, "ack", self.self_id, origin)
         expected = self._expected_target(probe_id)
         if expected is not None and parsed.sender.peer_id != expected:
             raise MembershipError(
                 f"ack from {parsed.sender.peer_id!r} but probe {probe_id} was for {expected!r}")
+        self._authenticate(parsed)
         self._apply_msg(parsed, now)
         self._probes.pop(probe_id, None)   # satisfied: any ack before the deadline counts
         self._relays.pop(probe_id, None)
@@ -533,8 +635,8 @@ class Membership:
                                    probe_id, timeout=self.config.ping_req_timeout))
         return out
 
-    def handle_ping_req(self, msg: dict, now: float) -> SendPing | None:
-        parsed = _parse_message(msg, "ping_req", self.self_id)
+    def handle_ping_req(self, msg: dict, now: float, *, origin: str | None = None) -> SendPing | None:
+        parsed = self._parse(msg, "ping_req", origin)
         self._apply_msg(parsed, now)
         target = parsed.target
         assert target is not None and parsed.target_addr is not None
@@ -553,11 +655,14 @@ class Membership:
         if ok:
             if msg is None:
                 raise MembershipError("successful ping-req result needs the target's ack")
+            # the target's own ack, passed through by the relay: its header is the target's signed
+            # record, checked like any other (a relay cannot make one up)
             parsed = _parse_message(msg, "ack", self.self_id)
             if p is not None and parsed.sender.peer_id != p.target:
                 raise MembershipError(
                     f"relayed ack from {parsed.sender.peer_id!r} but probe {probe_id} "
                     f"was for {p.target!r}")
+            self._authenticate(parsed)
             self._apply_msg(parsed, now)
             self._probes.pop(probe_id, None)
         elif p is not None and p.direct_failed:
@@ -573,15 +678,15 @@ class Membership:
         (e.g. right after catching up).  POST it to /v1/sync; feed the reply to handle_sync_reply."""
         return self._full_state("sync")
 
-    def handle_sync(self, msg: dict, now: float) -> dict:
-        parsed = _parse_message(msg, "sync", self.self_id)
+    def handle_sync(self, msg: dict, now: float, *, origin: str | None = None) -> dict:
+        parsed = self._parse(msg, "sync", origin)
         self._apply_msg(parsed, now)
         reply = self._full_state("sync_reply")
         self._after()
         return reply
 
-    def handle_sync_reply(self, msg: dict, now: float) -> None:
-        parsed = _parse_message(msg, "sync_reply", self.self_id)
+    def handle_sync_reply(self, msg: dict, now: float, *, origin: str | None = None) -> None:
+        parsed = self._parse(msg, "sync_reply", origin)
         self._apply_msg(parsed, now)
         self._after()
 
@@ -603,8 +708,8 @@ class Membership:
         self._after()
         return out
 
-    def handle_leave(self, msg: dict, now: float) -> None:
-        parsed = _parse_message(msg, "leave", self.self_id)
+    def handle_leave(self, msg: dict, now: float, *, origin: str | None = None) -> None:
+        parsed = self._parse(msg, "leave", origin)
         self._apply_msg(parsed, now)
         self._after()
 
@@ -631,16 +736,27 @@ class Membership:
             self._alive_set = alive
             self.epoch += 1
 
+    def _own_claim(self) -> tuple[bytes, bytes]:
+        """Our claim as it stands, signed again only when something in it changed (set_meta runs
+        every training step; a claim is signed at most once per outgoing message)."""
+        me = self._members[self.self_id]
+        st = LEFT if self._left else ALIVE
+        fields = (self.addr, me.incarnation, st, tuple(me.meta.items()), self._mv[self.self_id], self.tls)
+        if fields != self._own_fields:
+            claim = _encode_claim(self.self_id, self.addr, me.incarnation, st, me.meta,
+                                  self._mv[self.self_id], self.key.public, self.tls)
+            self._claims[self.self_id] = (claim, self.key.sign(CLAIM_LABEL + claim))
+            self._own_fields = fields
+            self.signatures += 1
+        return self._claims[self.self_id]
+
     def _record(self, pid: str) -> dict:
         m = self._members[pid]
-        return {"id": pid, "addr": m.addr, "state": m.state, "inc": m.incarnation,
-                "meta": dict(m.meta), "mv": self._mv.get(pid, 0)}
+        claim, sig = self._own_claim() if pid == self.self_id else self._claims[pid]
+        return {"id": pid, "state": m.state, "claim": claim, "sig": sig}
 
     def _header(self, kind: str) -> dict:
-        me = self._members[self.self_id]
-        return {"v": PROTOCOL_VERSION, "type": kind, "from": self.self_id, "addr": self.addr,
-                "inc": me.incarnation, "state": LEFT if self._left else ALIVE,
-                "meta": dict(me.meta), "mv": self._mv[self.self_id]}
+        return {"v": PROTOCOL_VERSION, "type": kind, "from": self._record(self.self_id)}
 
     def _full_state(self, kind: str) -> dict:
         msg = self._header(kind)
@@ -722,21 +838,79 @@ class Membership:
         if state in (ALIVE, SUSPECT) and m.peer_id != self.self_id:
             self._add_to_order(m.peer_id)
 
+    def _parse(self, msg: Any, kind: str, origin: str | None) -> _Msg:
+        parsed = _parse_message(msg, kind, self.self_id, origin)
+        self._authenticate(parsed)
+        return parsed
+
+    def _authenticate(self, parsed: _Msg) -> None:
+        """Set each record's ``trust``, checking the signatures that matter; MembershipError for a
+        bad one. Nothing is applied yet. A signature costs ~160 us, so claims this core already
+        holds (the same bytes) are not checked again, nor records that would change nothing; a
+        rumour (suspect/dead) at the incarnation of the claim we hold needs no signature either: it
+        is a third party's word about a claim already proven. The sender's own record is always
+        checked (it stands for the sender: acks and relayed acks are matched to their probe by it)."""
+        checked: set[tuple[bytes, bytes]] = set()   # good within this message
+        for i, rec in enumerate([parsed.sender, *parsed.records]):
+            pid = rec.peer_id
+            cur = self._members.get(pid)
+            if cur is not None and cur.public != rec.pk:
+                raise MembershipError(f"record of {pid[:40]!r} carries another key than the one it has")
+            pair = (rec.claim, rec.sig)
+            if self._claims.get(pid) == pair or pair in checked:
+                rec.trust = 2
+                continue
+            if i > 0 and cur is not None:
+                if pid == self.self_id:
+                    if not self._refutes(rec):
+                        continue
+                elif not self._fresher(rec, cur):
+                    if (rec.inc, _RANK[rec.state]) <= (cur.incarnation, _RANK[cur.state]):
+                        continue   # changes nothing
+                    if rec.state in (SUSPECT, DEAD):
+                        rec.trust = 1   # a rumour at the incarnation of the claim we hold
+                        continue
+            self.verifications += 1
+            if not identity.verify(rec.pk, rec.sig, CLAIM_LABEL + rec.claim):
+                lst = "members" if parsed.kind in _FULL_STATE else "updates"
+                what = f"{parsed.kind}.from" if i == 0 else f"{lst}[{i - 1}]"
+                raise MembershipError(f"{what}: the claim about {pid[:40]!r} is not signed by its key")
+            checked.add(pair)
+            rec.trust = 2
+
+    def _fresher(self, rec: _Rec, cur: Member) -> bool:
+        """Is the record's claim newer than the one we hold? Claims are ordered by (incarnation,
+        meta version, left): the member signs a left claim after its last alive one."""
+        return ((rec.inc, rec.mv, rec.st == LEFT)
+                > (cur.incarnation, self._mv.get(cur.peer_id, 0), cur.state == LEFT))
+
+    def _refutes(self, rec: _Rec) -> bool:
+        """Would this record about ourselves make us raise our incarnation?"""
+        me = self._members[self.self_id]
+        if self._left or rec.inc < me.incarnation:
+            return False
+        return not (rec.state == ALIVE and rec.inc == me.incarnation)
+
     def _apply_msg(self, parsed: _Msg, now: float) -> None:
         self._apply(parsed.sender, now)
         for rec in parsed.records:
             self._apply(rec, now)
 
     def _apply(self, rec: _Rec, now: float) -> None:
+        if rec.trust == 0:
+            return   # judged to change nothing (so its signature was not checked)
         pid = rec.peer_id
         if pid == self.self_id:
-            self._about_self(rec, now)
+            if rec.trust == 2:
+                self._about_self(rec, now)
             return
         cur = self._members.get(pid)
         if cur is None:
-            meta = rec.meta if rec.meta is not None else {}
-            self._members[pid] = Member(pid, rec.addr, rec.state, rec.inc, now, dict(meta))
-            self._mv[pid] = rec.mv or 0
+            if rec.trust != 2:
+                return
+            self._members[pid] = Member(pid, rec.addr, rec.state, rec.inc, now, dict(rec.meta), rec.pk, rec.tls)
+            self._mv[pid] = rec.mv
+            self._claims[pid] = (rec.claim, rec.sig)
             if rec.state in (ALIVE, SUSPECT):
                 # Tombstones for strangers are kept silently (they stop stale
                 # ALIVE rumours from resurrecting the peer) but not re-gossiped.
@@ -744,26 +918,30 @@ class Membership:
                 self._event("joined", pid, now, f"{rec.addr} ({rec.state}, inc {rec.inc})")
                 self._add_to_order(pid)
             return
-        if (rec.inc, _RANK[rec.state]) > (cur.incarnation, _RANK[cur.state]):
-            cur.addr = rec.addr
+        if rec.trust == 1 and (rec.inc != cur.incarnation or rec.state not in (SUSPECT, DEAD)):
+            return   # a rumour is only as good as the incarnation of the claim we hold
+        wins = (rec.inc, _RANK[rec.state]) > (cur.incarnation, _RANK[cur.state])
+        state = rec.state if wins else cur.state
+        # A fresher claim replaces what the member says of itself, unless it would leave a `left`
+        # state standing on an alive claim (which nobody would accept from us); a `left` state
+        # always comes with the member's own left claim.
+        if rec.trust == 2 and ((wins and rec.state == LEFT)
+                               or (self._fresher(rec, cur) and (state != LEFT or rec.st == LEFT))):
+            cur.addr, cur.meta, cur.tls = rec.addr, dict(rec.meta), rec.tls
+            self._mv[pid] = rec.mv
+            self._claims[pid] = (rec.claim, rec.sig)   # (at our incarnation, or it wins below)
+        if wins:
             detail = ""
             if rec.state == ALIVE and cur.state != ALIVE:
                 detail = f"refuted {cur.state} with incarnation {rec.inc}"
             elif rec.state != ALIVE:
                 detail = f"incarnation {rec.inc} (gossip)"
             self._set_state(cur, rec.state, rec.inc, now, detail)
-        if rec.mv is not None and rec.mv > self._mv.get(pid, 0) and rec.meta is not None:
-            cur.meta = dict(rec.meta)
-            self._mv[pid] = rec.mv
 
     def _about_self(self, rec: _Rec, now: float) -> None:
-        if self._left:
+        if not self._refutes(rec):
             return
         me = self._members[self.self_id]
-        if rec.inc < me.incarnation:
-            return
-        if rec.state == ALIVE and rec.inc == me.incarnation:
-            return
         # Someone holds SUSPECT/DEAD/LEFT about us at our incarnation (or any
         # record at a higher one): refute by outbidding it.
         new_inc = rec.inc + 1

@@ -9,6 +9,7 @@ One per peer, composed (not mixed in): it reaches the peer only through its publ
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -76,7 +77,7 @@ class MembershipShell:
             t0 = now()
             try:
                 reply = await p.transport.call(action.addr, "/v1/ping", action.msg, to=action.target, timeout=action.timeout)
-                p.members.handle_ack(action.probe_id, reply, now())
+                p.members.handle_ack(action.probe_id, reply, now(), origin=action.target)
                 p.timeline.record_rtt(action.target, now() - t0)
             except (PeerUnreachable, MembershipError) as e:
                 if isinstance(e, MembershipError):
@@ -93,7 +94,7 @@ class MembershipShell:
         elif isinstance(action, SendSync):
             try:
                 reply = await p.transport.call(action.addr, "/v1/sync", action.msg, to=action.target, timeout=action.timeout)
-                self._fed(p.members.handle_sync_reply, reply, now())
+                self._fed(functools.partial(p.members.handle_sync_reply, origin=action.target), reply, now())
             except PeerUnreachable:
                 pass
         elif isinstance(action, SendLeave):

@@ -30,8 +30,8 @@ from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
-from .membership import Membership, MembershipConfig, SendSync
 from .identity import PeerKey
+from .membership import Membership, MembershipConfig, SendSync
 from .joining import JoinError, Joining
 from .local_steps import LocalSteps
 from .membership_shell import MembershipShell
@@ -298,8 +298,9 @@ class Peer:
         scheme = "https" if self.tls else "http"
         self.addr = f"{scheme}://{bracket_host(adv_host)}:{adv_port or port}"
         self.names.set_addresses(self.cfg.host, port, adv_host, adv_port or port)
-        self.members = Membership(self.id, self.addr, time.monotonic(), MembershipConfig(),
-                                  meta={"step": 0, "active": 0, "active_from": 0})
+        self.members = Membership(self.key, self.addr, time.monotonic(), MembershipConfig(),
+                                  meta={"step": 0, "active": 0, "active_from": 0}, peer_id=self.id,
+                                  tls=self.key.fingerprint() if self.tls else "")
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window)
@@ -330,8 +331,8 @@ class Peer:
 
     def _pin_of(self, peer_id: str) -> str | None:
         """The certificate fingerprint a member's signed record gives (the transport pins it)."""
-        m = self.members.get(peer_id) if self.members is not None else None
-        return getattr(m, "tls", None) or None
+        pin = self.members.pin(peer_id) if self.members is not None else None
+        return pin[1] or None if pin is not None else None
 
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,

@@ -169,7 +169,7 @@ async def join(request: web.Request) -> web.Response:
                          "(check --table-rows, --table-slots and --replicas)", 409)
     if not isinstance(msg.get("membership"), dict):
         raise BadRequest("join message lacks its membership part")
-    reply = peer.members.handle_join(msg["membership"], time.monotonic())
+    reply = peer.members.handle_join(msg["membership"], time.monotonic(), origin=request[SENDER])
     return msgpack_response({"membership": reply, "step": peer.book.step,
                              # a peer resumed from a checkpoint has state a joiner must sync, even before it trains
                              "started": peer.started or peer.book.step > 0})
@@ -186,12 +186,13 @@ async def swarm_info(request: web.Request) -> web.Response:
 
 async def ping(request: web.Request) -> web.Response:
     peer = _peer(request)
-    return msgpack_response(peer.members.handle_ping(await _control(request), time.monotonic()))
+    return msgpack_response(peer.members.handle_ping(await _control(request), time.monotonic(),
+                                                     origin=request[SENDER]))
 
 
 async def ping_req(request: web.Request) -> web.Response:
     peer = _peer(request)
-    forward = peer.members.handle_ping_req(await _control(request), time.monotonic())
+    forward = peer.members.handle_ping_req(await _control(request), time.monotonic(), origin=request[SENDER])
     if forward is None:
         return msgpack_response({"ok": False})
     return msgpack_response(await peer.shell.forward_ping(forward))
@@ -199,12 +200,13 @@ async def ping_req(request: web.Request) -> web.Response:
 
 async def sync(request: web.Request) -> web.Response:
     peer = _peer(request)
-    return msgpack_response(peer.members.handle_sync(await _control(request), time.monotonic()))
+    return msgpack_response(peer.members.handle_sync(await _control(request), time.monotonic(),
+                                                     origin=request[SENDER]))
 
 
 async def leave(request: web.Request) -> web.Response:
     peer = _peer(request)
-    peer.members.handle_leave(await _control(request), time.monotonic())
+    peer.members.handle_leave(await _control(request), time.monotonic(), origin=request[SENDER])
     return msgpack_response({"ok": True})
 
 

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from swarm import auth
 from swarm.codec import HEADER, MODES, CodecConfig, Compressor
+from swarm.identity import PeerKey
 from swarm.membership import Membership
 from swarm.node import Peer
 from swarm.tables.http import body_limits
@@ -81,9 +82,10 @@ class Harness:
     # -- valid messages to mutate, each refused as it stands (wrong target, view, sender, ...) ---
     def _bases(self) -> dict[str, tuple[bytes, dict]]:
         p = self.peer
-        me = Membership(p.id, "http://127.0.0.1:9", time.monotonic())  # claims to be the peer itself
+        me = Membership(p.key, "http://127.0.0.1:9", time.monotonic(), peer_id=p.id)  # claims to be the peer itself
         hdr = me.join_request()
-        stranger = Membership("5742616e67657200", "http://127.0.0.1:9", time.monotonic()).join_request()
+        stranger = Membership(PeerKey.from_seed(b"stranger".ljust(32, b"\0")), "http://127.0.0.1:9",
+                              time.monotonic()).join_request()
         ids = np.arange(0, 24, 3)
         dim = p.tables.specs[0].dim
         name = p.tables.specs[0].name
@@ -98,7 +100,7 @@ class Harness:
             "/v1/ping-req": (msgpack.packb({**hdr, "type": "ping_req", "target": "0" * 16,
                                             "target_addr": "http://127.0.0.1:9", "updates": []}), {}),
             "/v1/sync": (msgpack.packb({**me.sync_message()}), {}),
-            "/v1/leave": (msgpack.packb({**hdr, "type": "leave", "state": "left", "updates": []}), {}),
+            "/v1/leave": (msgpack.packb({**hdr, "type": "leave", "updates": []}), {}),
             "/v1/grads": (enc.blob, {HEADER: enc.mode, **octet}),
             "/v1/rows/pull": (encode_pull(PullRequest(view=WRONG_VIEW, dtype="fp16", ids={name: ids})), {}),
             "/v1/rows/push": (encode_push(PushRequest(view=WRONG_VIEW, key="9ad5e4de00000000:1", ids={name: ids},
@@ -302,8 +304,9 @@ def test_zz_peer_is_healthy_afterwards(h):
     status, body = h.send("GET", f"/api/status?token={h.token}")
     assert status == 200 and h.peer.id.encode() in body
     p = h.peer
-    friend = "f00dbabe00000000"
-    other = Membership(friend, "http://127.0.0.1:9", time.monotonic())
+    friend_key = PeerKey.from_seed(b"friend".ljust(32, b"\0"))
+    friend = friend_key.id
+    other = Membership(friend_key, "http://127.0.0.1:9", time.monotonic())
 
     async def admit():  # on the peer's own loop: membership is not thread-safe
         p.members.handle_join(other.join_request(), time.monotonic())

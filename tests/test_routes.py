@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from swarm.codec import CodecConfig, Compressor, HEADER, Manifest
+from swarm.identity import PeerKey
 from swarm.membership import Membership
 from swarm.node import Peer
 from swarm.bodies import PROTOCOL_VERSION
@@ -32,10 +34,16 @@ def snapshot(p: Peer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in p.replica.model.state_dict().items()}
 
 
-def admit(p: Peer, peer_id: str) -> None:
-    """Make ``peer_id`` a member of p's swarm, as a join would."""
-    other = Membership(peer_id, "http://127.0.0.1:9", time.monotonic())
+def member_key(name: str) -> PeerKey:
+    """A deterministic key, and so peer id, for a made-up member."""
+    return PeerKey.from_seed(hashlib.sha256(name.encode()).digest())
+
+
+def admit(p: Peer, key: PeerKey) -> str:
+    """Make the peer of ``key`` a member of p's swarm, as a join would; its id."""
+    other = Membership(key, "http://127.0.0.1:9", time.monotonic())
     p.members.handle_join(other.join_request(), time.monotonic())
+    return key.id
 
 
 def payload(p: Peer, sender: str, step: int = 0, manifest: Manifest | None = None, mode="topk-int8"):
@@ -55,7 +63,7 @@ async def post(p: Peer, path: str, body: bytes, headers: dict | None = None):
 
 CONTROL_ROUTES = ["/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave"]
 GARBAGE = [b"", b"\x00\x01\x02", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"type": "ping"}),
-           msgpack.packb({"v": 1, "type": "ping", "from": 5}), msgpack.packb({"a": 1}) + b"trailing",
+           msgpack.packb({"v": 2, "type": "ping", "from": 5}), msgpack.packb({"a": 1}) + b"trailing",
            os.urandom(512)]
 
 
@@ -75,7 +83,8 @@ async def test_control_routes_refuse_garbage(peer, route):
 
 
 async def test_join_refuses_another_task_or_protocol(peer):
-    other = Membership("feedface00000000", "http://127.0.0.1:9", time.monotonic())
+    joiner = member_key("joiner")
+    other = Membership(joiner, "http://127.0.0.1:9", time.monotonic())
     fp = peer.replica.fingerprint
     good = {"protocol": PROTOCOL_VERSION, "task": fp, "settings": peer.settings, "tables": peer.table_layout(),
             "membership": other.join_request()}
@@ -88,15 +97,14 @@ async def test_join_refuses_another_task_or_protocol(peer):
                                ("settings", None, "malformed")]:
         status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
         assert status == 409 and needle in reply["error"], reply
-    assert peer.members.get("feedface00000000") is None
+    assert peer.members.get(joiner.id) is None
     status, reply = await post(peer, "/v1/join", msgpack.packb(good))
-    assert status == 200 and peer.members.get("feedface00000000") is not None
+    assert status == 200 and peer.members.get(joiner.id) is not None
 
 
 async def test_grads_route_validates_everything_before_filing(peer):
     before = snapshot(peer)
-    friend = "f00dbabe00000000"
-    admit(peer, friend)
+    friend = admit(peer, member_key("friend"))
     enc = payload(peer, friend)
     hdr = {HEADER: enc.mode}
     other_manifest = Manifest.from_module(torch.nn.Linear(3, 2))
