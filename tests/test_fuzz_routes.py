@@ -50,6 +50,7 @@ class Harness:
         self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-peer", daemon=True)
         self.thread.start()
         self.peer: Peer = self.run(self._start())
+        TO["id"] = self.peer.id
         self.token = self.peer.status_token
         self.bases = self._bases()
 
@@ -72,8 +73,8 @@ class Harness:
         self.loop.close()
 
     async def _send(self, method: str, path: str, body: bytes, headers: dict) -> tuple[int, bytes]:
-        async with self.session.request(method, f"http://127.0.0.1:{self.peer.port}{path}", data=body,
-                                        headers=headers) as r:
+        async with self.session.request(method, f"{self.peer.addr}{path}", data=body, headers=headers,
+                                        ssl=aiohttp.Fingerprint(bytes.fromhex(self.peer.key.fingerprint()))) as r:
             return r.status, await r.read()
 
     def send(self, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, bytes]:
@@ -122,9 +123,13 @@ class Harness:
         return params, self.run(take())
 
 
-def sign(method: str, path: str, body: bytes, *, secret: str = SECRET, now: float | None = None) -> dict:
-    return auth.sign(secret, method, path, auth.body_hash(body), auth.format_timestamp(now or time.time()),
-                     auth.new_nonce())
+FUZZER = PeerKey.from_seed(b"fuzzer".ljust(32, b"\0"))  # signs the fuzzed requests
+TO = {"id": ""}  # the fuzzed peer's id (the receiver every signature names), set by the harness
+
+
+def sign(method: str, path: str, body: bytes, *, secret: str = SECRET, now: float | None = None,
+         key: PeerKey = FUZZER, to: str | None = None) -> dict:
+    return auth.Signer(key, None, secret).headers(method, path, body, now or time.time(), to or TO["id"])
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +151,8 @@ ROUTES = [("POST", "/v1/join"), ("POST", "/v1/ping"), ("POST", "/v1/ping-req"), 
           ("POST", "/v1/rows/push"), ("POST", "/v1/rows/replay"), ("POST", "/v1/rows/replica"),
           ("POST", "/v1/rows/slots"), ("POST", "/v1/rows/digests")]
 MEMBERSHIP = {"/v1/join", "/v1/ping", "/v1/ping-req", "/v1/sync", "/v1/leave"}
-AUTH_MODES = ["valid"] * 5 + ["missing", "wrong-secret", "stale", "future", "replayed", "garbage", "wrong-path"]
+AUTH_MODES = ["valid"] * 5 + ["missing", "wrong-secret", "stale", "future", "replayed", "garbage", "wrong-path",
+                              "wrong-receiver"]
 header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=80)
 
 
@@ -211,6 +217,8 @@ def fuzz_route(h: Harness, method: str, path: str, data) -> None:
         headers.update(sign(method, target, body, now=time.time() + 45))
     elif mode == "wrong-path":
         headers.update(sign(method, "/v1/ping" if path != "/v1/ping" else "/v1/sync", body))
+    elif mode == "wrong-receiver":  # signed for another member: a capture replayed here
+        headers.update(sign(method, target, body, to=PeerKey.from_seed(b"other".ljust(32, b"\0")).id))
     elif mode == "garbage":
         for k in auth.HEADERS:
             headers[k] = data.draw(header_text)
@@ -313,7 +321,8 @@ def test_zz_peer_is_healthy_afterwards(h):
     h.run(admit())
     comp = Compressor(p.replica.manifest, CodecConfig(mode="topk-int8", ratio=0.01), sender=friend)
     enc = comp.compress(torch.randn(p.replica.manifest.numel, generator=torch.Generator().manual_seed(7)), 0)
-    hdrs = {HEADER: enc.mode, "Content-Type": "application/octet-stream", **sign("POST", "/v1/grads", enc.blob)}
+    hdrs = {HEADER: enc.mode, "Content-Type": "application/octet-stream",
+            **sign("POST", "/v1/grads", enc.blob, key=friend_key)}
     status, reply = h.send("POST", "/v1/grads", enc.blob, hdrs)
     assert status == 200 and b"accepted" in reply, reply
     assert p.members.get(p.id).state == "alive"

@@ -230,8 +230,9 @@ async def test_a_group_that_lost_rounds_resyncs_every_rank_and_ends_equal(spawn)
 
 
 def test_a_group_restarts_from_its_checkpoints(tmp_path):
-    """Each rank checkpoints to DIR/rank<r>; started again on DIR, the group resumes the leader's
-    step and every rank gets its table slots back (the two hand each other their copies)."""
+    """Each rank checkpoints to DIR/rank<r> (the host's key is DIR/peer.key); started again on DIR, the
+    group keeps its ids, resumes the leader's step and every rank gets its table slots back (the two
+    hand each other their copies)."""
     def run(steps: int) -> list[dict]:
         r = subprocess.run([*torchrun(2), str(ROOT / "peer.py"), "--steps", str(steps), "--checkpoint", str(tmp_path),
                             "--table-rows", "4096", "--table-slots", "256", "--batch-size", "4", "--linger", "1",
@@ -241,9 +242,12 @@ def test_a_group_restarts_from_its_checkpoints(tmp_path):
         return json_summaries(r.stdout.splitlines())
 
     first = run(4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    # the host's key (shared by its ranks: their ids are "<its id>~<rank>") and a directory per rank
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer.key", "rank0", "rank1"]
     again = run(7)
     assert len(first) == len(again) == 2
+    host = first[0]["peer_id"].split("~")[0]
+    assert sorted(s["peer_id"] for s in first) == sorted(s["peer_id"] for s in again) == [f"{host}~0", f"{host}~1"]
     for s in again:
         assert s["steps"] == 7 and s["steps_contributed"] == 3  # resumed at step 4
         assert s["table_stats"]["slots_lost"] == 0, s["table_stats"]

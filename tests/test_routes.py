@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 
+from swarm import auth
 from swarm.codec import CodecConfig, Compressor, HEADER, Manifest
 from swarm.identity import PeerKey
 from swarm.membership import Membership
@@ -53,9 +54,13 @@ def payload(p: Peer, sender: str, step: int = 0, manifest: Manifest | None = Non
     return comp.compress(g, step)
 
 
-async def post(p: Peer, path: str, body: bytes, headers: dict | None = None):
+TESTER = member_key("tester")  # signs the requests of these tests (every /v1/* request is signed)
+
+
+async def post(p: Peer, path: str, body: bytes, headers: dict | None = None, key: PeerKey = TESTER):
+    signed = auth.Signer(key).headers("POST", path, body, time.time(), p.id)
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://127.0.0.1:{p.port}{path}", data=body, headers=headers or {}) as r:
+        async with s.post(f"http://127.0.0.1:{p.port}{path}", data=body, headers={**(headers or {}), **signed}) as r:
             if r.content_type == "application/msgpack":
                 return r.status, msgpack.unpackb(await r.read())
             return r.status, await r.json(content_type=None)
@@ -95,49 +100,56 @@ async def test_join_refuses_another_task_or_protocol(peer):
                                ("settings", {**peer.settings, "seed": 9}, "--seed is a swarm-wide setting"),
                                ("settings", {**peer.settings, "ratio": "x"}, "malformed"),
                                ("settings", None, "malformed")]:
-        status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}))
+        status, reply = await post(peer, "/v1/join", msgpack.packb({**good, key: value}), key=joiner)
         assert status == 409 and needle in reply["error"], reply
     assert peer.members.get(joiner.id) is None
-    status, reply = await post(peer, "/v1/join", msgpack.packb(good))
+    status, reply = await post(peer, "/v1/join", msgpack.packb(good))  # signed by another than it names
+    assert status == 400 and "sent by" in reply["error"] and peer.members.get(joiner.id) is None
+    status, reply = await post(peer, "/v1/join", msgpack.packb(good), key=joiner)
     assert status == 200 and peer.members.get(joiner.id) is not None
 
 
 async def test_grads_route_validates_everything_before_filing(peer):
     before = snapshot(peer)
-    friend = admit(peer, member_key("friend"))
+    friend_key, stranger, clumsy = member_key("friend"), member_key("stranger"), member_key("clumsy")
+    friend = admit(peer, friend_key)
+    admit(peer, clumsy)  # sends the invalid payloads: they count against its score, signed by it
     enc = payload(peer, friend)
     hdr = {HEADER: enc.mode}
     other_manifest = Manifest.from_module(torch.nn.Linear(3, 2))
     cases = [
-        (enc.blob, {}, 400, HEADER),  # no X-Compression header
-        (enc.blob, {HEADER: "gzip"}, 400, HEADER),
-        (enc.blob, {HEADER: "topk"}, 400, "rejected"),  # header disagrees with the blob
-        (enc.blob[: len(enc.blob) // 2], hdr, 400, "rejected"),  # truncated
-        (os.urandom(len(enc.blob)), hdr, 400, "rejected"),
-        (payload(peer, friend, manifest=other_manifest).blob, hdr, 400, "rejected"),
-        (payload(peer, "stranger00000000").blob, hdr, 409, "not a live member"),
-        (payload(peer, peer.id).blob, hdr, 400, "this peer"),
-        (payload(peer, friend, step=500).blob, hdr, 409, "too-far-ahead"),
+        (enc.blob, {}, friend_key, 400, HEADER),  # no X-Compression header
+        (enc.blob, {HEADER: "gzip"}, friend_key, 400, HEADER),
+        (enc.blob, {HEADER: "topk"}, clumsy, 400, "rejected"),  # header disagrees with the blob
+        (enc.blob[: len(enc.blob) // 2], hdr, clumsy, 400, "rejected"),  # truncated
+        (os.urandom(len(enc.blob)), hdr, clumsy, 400, "rejected"),
+        (payload(peer, clumsy.id, manifest=other_manifest).blob, hdr, clumsy, 400, "rejected"),
+        (enc.blob, hdr, stranger, 403, "signed by"),  # the friend's payload, sent by another
+        (payload(peer, stranger.id).blob, hdr, stranger, 409, "not a live member"),
+        (payload(peer, peer.id).blob, hdr, peer.key, 400, "this peer"),
+        (payload(peer, friend, step=500).blob, hdr, friend_key, 409, "too-far-ahead"),
     ]
-    for body, headers, status, needle in cases:
-        got, reply = await post(peer, "/v1/grads", body, headers)
+    for body, headers, key, status, needle in cases:
+        got, reply = await post(peer, "/v1/grads", body, headers, key=key)
         assert got == status and needle in reply["error"], (got, reply)
     limit = peer.replica.manifest.numel * 4 + (1 << 16)
-    got, _ = await post(peer, "/v1/grads", b"\0" * (limit + 1), hdr)
+    got, _ = await post(peer, "/v1/grads", b"\0" * (limit + 1), hdr, key=friend_key)
     assert got == 413
     assert peer.book.pending == {}  # nothing was filed
-    got, reply = await post(peer, "/v1/grads", enc.blob, hdr)
+    got, reply = await post(peer, "/v1/grads", enc.blob, hdr, key=friend_key)
     assert got == 200 and reply["result"] == "accepted"
-    got, reply = await post(peer, "/v1/grads", enc.blob, hdr)
+    got, reply = await post(peer, "/v1/grads", enc.blob, hdr, key=friend_key)
     assert got == 409 and "duplicate" in reply["error"]
     assert peer.book.senders(0) == [friend]
+    assert peer.robust.get(clumsy.id).invalid == 4 and peer.robust.get(friend).invalid == 0  # charged to the signer
     after = snapshot(peer)
     assert all(torch.equal(before[k], after[k]) for k in before)  # filed, never applied by a route
 
 
 async def test_state_route_refuses_until_training_and_status_is_json(peer):
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"http://127.0.0.1:{peer.port}/v1/state") as r:
+        signed = auth.Signer(TESTER).headers("GET", "/v1/state", None, time.time(), peer.id)
+        async with s.get(f"http://127.0.0.1:{peer.port}/v1/state", headers=signed) as r:
             assert r.status == 503 and "no state" in (await r.json())["error"]
         async with s.get(f"http://127.0.0.1:{peer.port}/api/status") as r:
             st = await r.json()
