@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--trim", type=float, help=f"trimmed: fraction of contributors cut from each end per coordinate (default {d.trim})")
     a("--msg-clip", type=float, help="clip each received payload to this x the round's median payload norm; "
                                      f"0 = off (default {d.msg_clip})")
+    a("--row-clip", type=float, help="a table primary clips each pushed row gradient to this x the flush's reference "
+                                     "row norm (the median of the senders' median row norms) and scores the senders "
+                                     f"of outlier rows; 0 = off, the plain sum (default {d.row_clip})")
     a("--ban-seconds", type=float, help="refuse the payloads of a peer whose score fell too low (outliers, "
                                         f"invalid payloads) this long (default {d.ban_seconds})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")
