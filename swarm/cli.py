@@ -27,7 +27,7 @@ A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
---push-dtype, --row-state, --max-staleness, --sketch-every, --ef-decay, --max-contributors, and the local-step
+--push-dtype, --row-state, --row-clip, --max-staleness, --sketch-every, --ef-decay, --max-contributors, and the local-step
 settings --sync-every, --outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio) are fixed by the
 peer that starts the swarm and kept in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
