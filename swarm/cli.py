@@ -27,7 +27,7 @@ A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
---push-dtype, --row-state, --max-staleness, --sketch-every, --ef-decay, --max-contributors, and the local-step
+--push-dtype, --row-state, --row-clip, --max-staleness, --sketch-every, --ef-decay, --max-contributors, and the local-step
 settings --sync-every, --outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio) are fixed by the
 peer that starts the swarm and kept in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--trim", type=float, help=f"trimmed: fraction of contributors cut from each end per coordinate (default {d.trim})")
     a("--msg-clip", type=float, help="clip each received payload to this x the round's median payload norm; "
                                      f"0 = off (default {d.msg_clip})")
+    a("--row-clip", type=float, help="a table primary clips each pushed row gradient to this x the flush's reference "
+                                     "row norm (the median of the senders' median row norms) and scores the senders "
+                                     f"of outlier rows; 0 = off, the plain sum (default {d.row_clip})")
     a("--ban-seconds", type=float, help="refuse the payloads of a peer whose score fell too low (outliers, "
                                         f"invalid payloads) this long (default {d.ban_seconds})")
     a("--sync-timeout", type=float, help=f"a joiner waits this long for gradient traffic before syncing state (default {d.sync_timeout})")

@@ -99,6 +99,9 @@ class PeerConfig:
     aggregation: str = "centered-clip"  # mean, trimmed or centered-clip (robust rules need >= 3 contributors)
     trim: float = 0.2  # trimmed: fraction of contributors cut from each end, per coordinate
     msg_clip: float = 2.0  # clip each payload to this x the round's median payload norm; 0 = off
+    # a table primary clips each pushed row to this x the flush's reference row norm (docs/design.md,
+    # "Robust row pushes"); 0 = off (the plain sum)
+    row_clip: float = 2.0
     ban_seconds: float = 60.0  # a peer whose score falls too low is refused this long
     # checkpoints
     checkpoint: str = ""  # directory; empty = no checkpoints
@@ -181,6 +184,8 @@ class PeerConfig:
         need(0 <= self.trim < 0.5, f"--trim must be in [0, 0.5), got {self.trim}")
         need(self.msg_clip == 0 or 1 <= self.msg_clip < float("inf"),
              f"--msg-clip must be 0 (off) or >= 1 (x the round's median norm), got {self.msg_clip}")
+        need(self.row_clip == 0 or 1 <= self.row_clip < float("inf"),
+             f"--row-clip must be 0 (off) or >= 1 (x the flush's reference row norm), got {self.row_clip}")
         need(0 <= self.ban_seconds < float("inf"), f"--ban-seconds must be >= 0, got {self.ban_seconds}")
         need(self.join_timeout > 0, f"--join-timeout must be > 0, got {self.join_timeout}")
         need(self.checkpoint_every > 0, f"--checkpoint-every must be > 0, got {self.checkpoint_every}")

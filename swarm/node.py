@@ -275,7 +275,7 @@ class Peer:
                                    slots=self.cfg.table_slots,
                                    opt=RowOptConfig(kind=row_kind("adam", self.cfg.row_state), lr=self.replica.table_lr,
                                                     deltas=self.window > 1),
-                                   inits=self.replica.table_inits)
+                                   inits=self.replica.table_inits, row_clip=self.cfg.row_clip)
         if not self.cfg.secret:
             import sys
 
@@ -303,7 +303,8 @@ class Peer:
                                   tls=self.key.fingerprint() if self.tls else "")
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
-                                        push_window=self.cfg.push_window)
+                                        push_window=self.cfg.push_window, ban_seconds=self.cfg.ban_seconds,
+                                        event=self.event)
         self._exit.callback(self.table_client.batcher.close)
         self.out(f"listening on {scheme}://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(240)
 
 PEERS = 5
 STEPS = 25
-# the hashed tables' row pushes are outside robust aggregation (docs/design.md): one owner per slot
-# halves the table traffic of 5 peers in one process, and the test's time
+# the hashed tables' row pushes are outside this test (their attack: bench/row_attack.py, docs/design.md
+# "Robust row pushes"): one owner per slot halves the table traffic of 5 peers in one process, and the test's time
 TABLES = dict(replicas=1)
 OFF = dict(aggregation="mean", msg_clip=0.0, ban_seconds=0.0)  # no defence at all
 

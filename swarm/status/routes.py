@@ -124,6 +124,11 @@ class PeerCollector(Collector):
             yield _counter("swarm_table_replicas_repaired", "Replica slots of the sharded tables that differed from "
                            "their primary's copy (update count or checksum) and were replaced by it.",
                            p.tables.stats.replicas_repaired)
+            yield _counter("swarm_table_rows_clipped", "Pushed row gradients this primary scaled down to --row-clip x "
+                           "its flush's reference row norm.", p.tables.stats.rows_clipped)
+            yield _counter("swarm_table_outlier_pushes", "Senders' parts of a flush whose rows were outliers "
+                           "(level > 4 x the flush's reference): each costs the sender score.",
+                           p.tables.stats.outlier_pushes)
         sent = CounterMetricFamily("swarm_bytes_sent", "Bytes sent, by kind.", labels=["kind"])
         for kind, n in sorted(p.counts.sent.items()):
             sent.add_metric([kind], n)

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 from aiohttp import web
 
+from .. import robust
 from ..transport import PeerUnreachable, Transport
 from ..bodies import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .ownership import Move
-from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
+from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
 from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replays, encode_replica, encode_rows,
@@ -60,13 +61,26 @@ class RowStats:
         return {f"p{q}": round(float(np.percentile(a, q)), 2) for q in (50, 95, 99)}
 
 
+class Banned(Exception):
+    """A push from a sender banned for now (HTTP 403 ``banned``)."""
+
+
+def push_sender(request: web.Request, req: PushRequest) -> str:
+    """THE place that says who sent a push, for the robust combine's scores and bans: today the
+    peer its key names ("peer:step"), which only the shared secret vouches for. When requests carry
+    an authenticated sender id (``request.get("swarm.sender")``), return that here instead."""
+    return sender_of(req)
+
+
 class TableClient:
-    """The puller and pusher side: cut ids by owner, one request per owner, concurrently."""
+    """The puller and pusher side: cut ids by owner, one request per owner, concurrently; and, as a
+    primary, the scores of the members whose pushes it combines (``scores``)."""
 
     def __init__(self, service: TableService, transport: Transport, work: Work, self_id: str,
                  addr_of: Callable[[str], str | None], down: Callable[[], set[str]],
                  row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0,
-                 push_window: float = 0.1):
+                 push_window: float = 0.1, ban_seconds: float = 60.0,
+                 event: Callable[[str, str], None] | None = None):
         self.service = service
         self.transport = transport
         self.work = work
@@ -79,6 +93,10 @@ class TableClient:
         self.stats = RowStats()
         self.dims = {s.name: s.dim for s in service.specs}
         self.batcher = PushBatcher(self, push_window)  # the primary's side of the pushes it receives
+        # row pushes are scored apart from dense payloads: only this primary sees its flushes, so a
+        # ban here must not change the dense rounds it takes (those are the same on every peer)
+        self.scores = robust.Scoreboard(robust.ScoreConfig(ban_seconds=ban_seconds))
+        self.event = event
 
     # -- pull ---------------------------------------------------------------------------------
     async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
@@ -166,6 +184,7 @@ class TableClient:
         # what is left to deliver, as positions into grads[table] (ascending)
         todo = {t: np.arange(len(ids)) for t, (ids, _) in grads.items() if len(ids)}
         attempt = 0
+        refused = False
         while todo:
             omap = self.service.map
             by_peer: dict[str, dict[str, np.ndarray]] = {}  # peer -> table -> positions into grads
@@ -179,7 +198,9 @@ class TableClient:
             oks = await asyncio.gather(*(self._push_to(peer, req, bodies.get(peer)) for peer, req in reqs.items()))
             left: dict[str, list[np.ndarray]] = {}
             for (peer, sub), ok in zip(by_peer.items(), oks):
-                if not ok:
+                if ok is None:  # refused for good (we are banned there): not retried
+                    refused = True
+                elif not ok:
                     for table, p in sub.items():
                         left.setdefault(table, []).append(p)
             todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
@@ -188,9 +209,9 @@ class TableClient:
             attempt += 1
             self.stats.retries += 1
             await asyncio.sleep(min(0.05 * attempt, 0.5))
-        if todo:
+        if todo or refused:
             self.stats.push_failures += 1
-        return not todo
+        return not todo and not refused
 
     @staticmethod
     def _part(sub: dict[str, np.ndarray], grads, key: str, view: str) -> PushRequest:
@@ -204,8 +225,9 @@ class TableClient:
                 ids[table], parts[table] = all_ids[pos], g[torch.from_numpy(pos)]
         return PushRequest(view=view, key=key, ids=ids, grads=parts)
 
-    async def _push_to(self, peer: str, req: PushRequest, body: bytes | None) -> bool:
-        """One primary's part of a push (``body``: it encoded, for a remote primary)."""
+    async def _push_to(self, peer: str, req: PushRequest, body: bytes | None) -> bool | None:
+        """One primary's part of a push (``body``: it encoded, for a remote primary); None when the
+        primary refused it for good (403 banned: retrying would only hold up our steps)."""
         self.stats.pushes_sent += 1
         if peer == self.self_id:
             # no wire: the flush rounds what it applies to the push dtype, as for a remote push
@@ -221,8 +243,8 @@ class TableClient:
             await self.transport.request("POST", addr + "/v1/rows/push", to=peer, body=body, timeout=self.timeout,
                                          content_type="application/octet-stream", kind="rows", reply_kind="rows")
             return True
-        except PeerUnreachable:
-            return False
+        except PeerUnreachable as e:
+            return None if e.code == "banned" else False
 
     # -- hand-off -----------------------------------------------------------------------------
     async def fetch(self, moves: list[Move]) -> None:
@@ -349,11 +371,44 @@ class TableClient:
                 return None
         return out
 
+    # -- scores of the pushes this primary combines (docs/design.md, "Robust row pushes") --------
+    def banned(self, sender: str) -> bool:
+        """True while ``sender``'s row pushes are refused here (a read: safe from the table thread)."""
+        return sender != self.self_id and self.scores.banned(sender, time.monotonic())
+
+    def refuse(self, sender: str) -> bool:
+        """banned(), counting the refusal (on the table thread: a banned sender already has a score,
+        so nothing is inserted into the scoreboard the event loop reads)."""
+        if not self.banned(sender):
+            return False
+        self.scores.get(sender).refused += 1
+        return True
+
+    def observe(self, verdicts: list[RowVerdict]) -> list[str]:
+        """Score one flush's senders (outliers lose score; clipped rows are counted); returns the
+        senders it banned. Our own pushes are not scored."""
+        others = [v for v in verdicts if v.sender != self.self_id]
+        if not others:
+            return []
+        report = robust.Report(count=len(others), senders=[v.sender for v in others],
+                               clipped=[v.sender for v in others if v.clipped],
+                               outliers=[v.sender for v in others if v.outlier])
+        newly = self.scores.observe(report, time.monotonic())
+        for pid in newly:
+            msg = f"{pid[:8]} for {self.scores.cfg.ban_seconds:g} s: its row pushes were outliers"
+            if self.event is not None:
+                self.event("rows-banned", msg)
+            else:
+                log.warning("banned %s", msg)
+        return newly
+
     def status(self) -> dict:
         s = self.stats
         return {"pulls": s.pulls, "rows_pulled_remote": s.rows_pulled_remote, "rows_read_local": s.rows_read_local,
                 "rows_missing": s.rows_missing, "pushes_sent": s.pushes_sent, "push_failures": s.push_failures,
-                "retries": s.retries}
+                "retries": s.retries,
+                # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
+                "push_scores": self.scores.status(time.monotonic(), time.time() - time.monotonic())}
 
 
 class PushBatcher:
@@ -398,11 +453,14 @@ class PushBatcher:
         while self._waiting:
             await asyncio.sleep(self.window)
             try:
-                forward, outcome = await self.client.work(self.client.service.flush, self.client.push_dtype)
+                forward, outcome, verdicts = await self.client.work(self._flush)
             except Exception as e:  # a bug, not a refusal: answer everyone waiting rather than hang them
                 log.exception("flushing row pushes failed")
                 outcome = {t: Moving(f"the flush failed: {type(e).__name__}") for t in self._waiting}
-                forward = {}
+                forward, verdicts = {}, []
+            observe = getattr(self.client, "observe", None)
+            if verdicts and observe is not None:
+                observe(verdicts)
             try:
                 replicated = await replicate(self.client, forward)
             except Exception:  # a bug, not a refusal: the flush is applied here, so answer (unreplicated)
@@ -416,6 +474,11 @@ class PushBatcher:
                         self._done.pop(next(iter(self._done)))
                 elif not fut.done():
                     fut.set_result((err, replicated))
+
+    def _flush(self) -> tuple[dict, dict, list[RowVerdict]]:
+        """On the table thread: the flush, and what its robust combine saw of each sender."""
+        forward, outcome = self.client.service.flush(self.client.push_dtype)
+        return forward, outcome, list(self.client.service.verdicts)
 
     async def settled(self) -> None:
         """Return once no push queued here is waiting for its flush (nor one queued meanwhile)."""
@@ -515,6 +578,8 @@ def _service_errors(e: Exception) -> BadRequest:
         return BadRequest(f"{e}", 409, code="not-owner")
     if isinstance(e, Diverged):
         return BadRequest(f"{e}", 409, code="replica-diverged")
+    if isinstance(e, Banned):
+        return BadRequest(f"{e}", 403, code="banned")
     return BadRequest(f"{e}", 400)
 
 
@@ -578,14 +643,24 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
         try:
             return await peer.table_work(run)
-        except (Fenced, Moving, NotPrimary, Diverged, ShardError) as e:
+        except (Fenced, Moving, NotPrimary, Diverged, ShardError, Banned) as e:
             raise _service_errors(e) from None
+
+    def admit(peer, request: web.Request, req: PushRequest) -> int | None:
+        """On the table thread: refuse a banned sender's push (its rows' outliers here, or its dense
+        payloads everywhere), else check and queue it (applied with the next flush)."""
+        sender = push_sender(request, req)
+        dense = getattr(peer, "robust", None)
+        if peer.table_client.refuse(sender) or (dense is not None and dense.banned(sender, time.monotonic())):
+            raise Banned(f"sender {sender[:16]!r} is banned for now: its recent row pushes or payloads were "
+                         "outliers (docs/design.md, \"Robust row pushes\")")
+        return peer.tables.accept_push(req, sender)
 
     async def push(request: web.Request) -> web.Response:
         ticket = await decoded_then_applied(
             request, "/v1/rows/push", "push request",
             lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
-            lambda p, req: p.tables.accept_push(req))  # checked and queued now, applied with the next flush
+            lambda p, req: admit(p, request, req))
         try:
             replicated = await ready(request).table_client.batcher.wait(ticket)
         except (Fenced, Moving, NotPrimary, ShardError) as e:

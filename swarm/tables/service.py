@@ -34,6 +34,7 @@ from .audit import Digest
 from .ownership import Move, OwnershipMap, TableSpec, moves
 from .shard import RowOptConfig, ShardError, TableShard
 from .formats import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
+from .robust_rows import Levels, Part, combine
 
 MAX_GRAD = 1e15  # |row gradient| above this is refused: Adam squares it, and a flush sums a few
 
@@ -61,6 +62,22 @@ class Diverged(Exception):
     """A replica's rows are not at the update a replay builds on (HTTP 409): send the full state."""
 
 
+@dataclass(frozen=True)
+class RowVerdict:
+    """One sender's part of a flush, as the robust combine saw it (all tables): the shell scores it."""
+
+    sender: str
+    rows: int  # rows it pushed
+    clipped: int  # ... of which were scaled down to the bar
+    outlier: bool  # its rows' level exceeded OUTLIER_FACTOR x the reference (in some table)
+
+
+def sender_of(req: PushRequest) -> str:
+    """The sender a push names: its key's peer part ("peer:step"). Only as good as the request's
+    authentication; the HTTP shell passes the id it trusts (tables/http.py push_sender)."""
+    return req.key.rsplit(":", 1)[0]
+
+
 @dataclass
 class TableStats:
     rows_served: int = 0
@@ -68,6 +85,8 @@ class TableStats:
     pushes_applied: int = 0
     rows_updated: int = 0  # row updates applied as a primary (one per row per flush)
     rows_combined: int = 0  # pushed rows that shared an update with another push of the same flush
+    rows_clipped: int = 0  # pushed (sender, row) gradients the robust combine scaled down (--row-clip)
+    outlier_pushes: int = 0  # (flush, sender) pairs whose rows were outliers (robust_rows.combine)
     flushes: int = 0
     duplicate_pushes: int = 0
     replica_updates: int = 0  # full-state replica updates applied
@@ -93,6 +112,9 @@ class TableService:
     applied_keys_kept: int = 4096
     # table -> (lo, hi) -> initial fp32 rows: where a fresh slot starts (the task's init); absent = zeros
     inits: dict = field(default_factory=dict)
+    # a flush clips each pushed row to row_clip x the flush's reference row norm (robust_rows.py,
+    # --row-clip); 0 = the plain sum
+    row_clip: float = 2.0
 
     def __post_init__(self) -> None:
         self.by_name = {s.name: s for s in self.specs}
@@ -103,13 +125,15 @@ class TableService:
         self.moving: dict[tuple[str, int], Move] = {}  # slots we own but do not hold yet
         self.releasing: dict[tuple[str, int], float] = {}  # slots we hold but no longer own -> drop time
         self.applied: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        # pushes accepted and not yet applied (flush), by ticket, and their (key, table) pairs
-        self.pending: dict[int, tuple[PushRequest, list[str]]] = {}
+        # pushes accepted and not yet applied (flush), by ticket (with their sender), and their (key, table) pairs
+        self.pending: dict[int, tuple[PushRequest, list[str], str]] = {}
         self._pending_keys: set[tuple[str, str]] = set()
         self._tickets = 0
         # names this incarnation's replays (a restarted primary must not reuse a replica's remembered key)
         self.nonce = secrets.token_hex(4)
         self.stats = TableStats()
+        self.levels = Levels()  # recent senders' row-norm levels, per table (robust_rows.py)
+        self.verdicts: list[RowVerdict] = []  # what the last flush's combine saw, per sender
 
     # -- the map ------------------------------------------------------------------------------
     @property
@@ -251,14 +275,15 @@ class TableService:
             todo.append(table)
         return todo
 
-    def accept_push(self, req: PushRequest) -> int | None:
+    def accept_push(self, req: PushRequest, sender: str | None = None) -> int | None:
         """Check a push as its primary and queue it for the next flush(); returns its ticket, or
-        None when it is a repeat (acknowledge it, apply nothing). Raises like apply_push."""
+        None when it is a repeat (acknowledge it, apply nothing). Raises like apply_push.
+        ``sender``: who the robust combine charges the rows to (default: the key's peer part)."""
         todo = self._push_tables(req)
         if not todo:
             return None
         self._tickets += 1
-        self.pending[self._tickets] = (req, todo)
+        self.pending[self._tickets] = (req, todo, sender if sender is not None else sender_of(req))
         self._pending_keys.update((req.key, t) for t in todo)
         return self._tickets
 
@@ -272,8 +297,9 @@ class TableService:
         pending, self.pending = self.pending, {}
         self._pending_keys.clear()
         outcome: dict[int, Exception | None] = {}
-        batch: list[tuple[PushRequest, list[str]]] = []
-        for ticket, (req, tables) in pending.items():
+        batch: list[tuple[PushRequest, list[str], str]] = []
+        self.verdicts = []
+        for ticket, (req, tables, sender) in pending.items():
             # accept_push checked the push under this view; within one view the map, its primaries
             # and the slots held and not moving do not change (set_members makes a new view), so
             # only the view needs checking again
@@ -283,9 +309,10 @@ class TableService:
                 outcome[ticket] = e
                 continue
             outcome[ticket] = None
-            batch.append((req, tables))
+            batch.append((req, tables, sender))
         try:
-            forward = self._apply_batch(batch, dtype, f"{self.self_id}.{self.nonce}/flush:{self.stats.flushes}")
+            forward = self._apply_batch(batch, dtype, f"{self.self_id}.{self.nonce}/flush:{self.stats.flushes}",
+                                        self.row_clip)
         except ShardError as e:  # nothing was applied
             return {}, {t: (e if o is None else o) for t, o in outcome.items()}
         self.stats.flushes += 1
@@ -297,22 +324,34 @@ class TableService:
         todo = self._push_tables(req)
         # one push is split across primaries, each replaying its part to the same replicas: the
         # replica's exactly-once key names the primary too
-        return self._apply_batch([(req, todo)], None, f"{self.self_id}/{req.key}")
+        # (not clipped: a host group's ranks are one user's processes, trusted; docs/security.md)
+        return self._apply_batch([(req, todo, sender_of(req))], None, f"{self.self_id}/{req.key}", 0.0)
 
-    def _apply_batch(self, batch: list[tuple[PushRequest, list[str]]], dtype: str | None,
-                     replay_key: str) -> dict[str, list[Replay]]:
-        """One optimizer step per row over the pushes of ``batch`` (rows summed across pushes);
-        transactional per call: on ShardError no row has changed."""
-        by_table: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
-        for req, tables in batch:
+    def _apply_batch(self, batch: list[tuple[PushRequest, list[str], str]], dtype: str | None,
+                     replay_key: str, clip: float) -> dict[str, list[Replay]]:
+        """One optimizer step per row over the pushes of ``batch``: rows combined across pushes by
+        robust_rows.combine (``clip`` 0: summed); transactional per call: on ShardError no row has
+        changed (and no sender's level is remembered)."""
+        by_table: dict[str, list[Part]] = {}
+        for req, tables, sender in batch:
             for t in tables:
-                by_table.setdefault(t, []).append((req.ids[t], req.grads[t]))
+                by_table.setdefault(t, []).append(Part(sender, req.ids[t], req.grads[t]))
         combined = {}
+        seen: dict[str, list[int]] = {}  # sender -> [rows, clipped, outlier]
+        levels = {}
         for table, parts in by_table.items():
-            ids, grads = sum_rows(parts)
+            c = combine(parts, clip, self.levels.others(table, self.stats.flushes, {p.sender for p in parts})
+                        if clip > 0 else ())
+            ids, grads = c.ids, c.grads
+            levels[table] = c.levels
+            for s in c.rows:
+                v = seen.setdefault(s, [0, 0, 0])
+                v[0] += c.rows[s]
+                v[1] += c.clipped[s]
+                v[2] |= s in c.outliers
             if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
-            combined[table] = (ids, grads, sum(len(p[0]) for p in parts) - len(ids))
+            combined[table] = (ids, grads, sum(len(p.ids) for p in parts) - len(ids))
         # check every table before changing any (apply_checked itself is transactional per table)
         checked = {table: self.shards[table].check_grads(ids, grads) for table, (ids, grads, _) in combined.items()}
         forward: dict[str, list[Replay]] = {}
@@ -321,7 +360,12 @@ class TableService:
             self.stats.rows_updated += len(ids)
             self.stats.rows_combined += merged
             self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1, dtype), forward)
-        for req, tables in batch:
+        for table, lv in levels.items():
+            self.levels.remember(table, lv, self.stats.flushes)
+        self.verdicts = [RowVerdict(s, rows, clipped, bool(out)) for s, (rows, clipped, out) in seen.items()]
+        self.stats.rows_clipped += sum(v.clipped for v in self.verdicts)
+        self.stats.outlier_pushes += sum(v.outlier for v in self.verdicts)
+        for req, tables, _ in batch:
             for t in tables:
                 self._remember((req.key, t))
             self.stats.pushes_applied += len(tables)
@@ -567,17 +611,7 @@ class TableService:
                           "to": self.self_id} for (t, s), mv in list(self.moving.items())[:50]],
             "handoffs_pending": len(self.moving),
             "releasing": len(self.releasing),
+            "row_clip": self.row_clip,  # robust combine of pushes (stats: rows_clipped, outlier_pushes)
             "stats": vars(self.stats).copy(),
         }
 
-
-def sum_rows(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
-    """Row gradient parts (each with sorted-unique ids) as one: sorted-unique ids, and the sum of
-    the parts' gradients for an id that several parts carry."""
-    if len(parts) == 1:
-        return parts[0]
-    ids, inverse = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
-    grads = torch.cat([p[1] for p in parts])
-    out = torch.zeros(len(ids), grads.shape[1], dtype=grads.dtype)
-    out.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grads)
-    return ids, out

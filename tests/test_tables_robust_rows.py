@@ -1,0 +1,147 @@
+"""Robust row pushes (swarm/tables/robust_rows.py): the combine rule, the service's flush, scores and
+the 403 of a banned sender's push (docs/design.md, "Robust row pushes")."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from swarm.tables import TableSpec
+from swarm.tables.formats import PushRequest, encode_push
+from swarm.tables.http import TableClient, add_routes
+from swarm.tables.robust_rows import Levels, Part, combine, row_norms, sum_rows
+from swarm.tables.service import RowVerdict, TableService
+from swarm.tables.shard import RowOptConfig
+
+DIM = 8
+
+
+def honest_parts(n: int = 4, rows: int = 40, seed: int = 0) -> list[Part]:
+    """``n`` senders, each pushing an overlapping random subset of rows with norms around 1."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for i in range(n):
+        ids = np.sort(np.random.default_rng(seed + i).choice(100, size=rows, replace=False)).astype(np.int64)
+        grads = torch.randn(len(ids), DIM, generator=g) / DIM ** 0.5
+        parts.append(Part(f"p{i}", ids, grads))
+    return parts
+
+
+def test_a_x1000_push_is_clipped_to_c_times_the_reference_even_on_rows_nobody_else_pushed():
+    parts = honest_parts()
+    own = np.arange(200, 230, dtype=np.int64)  # rows only the attacker pushes
+    bad_ids = np.concatenate([parts[0].ids[:10], own])
+    bad = Part("evil", bad_ids, 1000 * torch.randn(len(bad_ids), DIM))
+    c = combine(parts + [bad], 2.0)
+    assert c.outliers == ["evil"] and c.clipped["evil"] == len(bad_ids)
+    only = np.isin(c.ids, own)
+    assert float(row_norms(c.grads[torch.from_numpy(only)]).max()) <= 2.0 * c.reference * (1 + 1e-6)
+    # the reference is an honest level: the attacker's level does not raise it
+    assert c.reference <= max(lv for s, lv in c.levels.items() if s != "evil")
+    # the same push, undefended: the sum as it came
+    plain = combine(parts + [bad], 0.0)
+    assert float(row_norms(plain.grads[torch.from_numpy(np.isin(plain.ids, own))]).min()) > 100
+
+
+def test_honest_pushes_within_the_bar_are_the_plain_sum_bit_for_bit():
+    parts = honest_parts()
+    for p in parts:  # every row's norm 1: nobody is above 2 x any median
+        p.grads.div_(torch.from_numpy(row_norms(p.grads)).float()[:, None])
+    c = combine(parts, 2.0)
+    ids, grads = sum_rows([(p.ids, p.grads) for p in parts])
+    assert np.array_equal(c.ids, ids) and torch.equal(c.grads, grads)
+    assert sum(c.clipped.values()) == 0 and c.outliers == []
+
+
+def test_clip_zero_is_the_plain_sum_and_the_rule_is_deterministic():
+    parts = honest_parts() + [Part("evil", np.arange(5, dtype=np.int64), torch.full((5, DIM), 1e6))]
+    off = combine(parts, 0.0)
+    ids, grads = sum_rows([(p.ids, p.grads) for p in parts])
+    assert np.array_equal(off.ids, ids) and torch.equal(off.grads, grads) and off.levels == {}
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            runs.append(combine(parts, 2.0, [0.9, 1.1]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r.grads, runs[0].grads) and r.reference == runs[0].reference for r in runs)
+
+
+def test_a_flush_holding_only_the_attacker_is_measured_against_the_senders_remembered():
+    levels = Levels()
+    honest = combine(honest_parts(), 2.0)
+    levels.remember("t", honest.levels, now=0)
+    bad = Part("evil", np.arange(10, dtype=np.int64), 1000 * torch.ones(10, DIM))
+    alone = combine([bad], 2.0, levels.others("t", 1, {"evil"}))
+    assert alone.outliers == ["evil"] and alone.clipped["evil"] == 10
+    assert float(row_norms(alone.grads).max()) <= 2.0 * max(honest.levels.values()) * (1 + 1e-6)
+    assert levels.others("t", 40, set()) == []  # forgotten after KEPT_FLUSHES flushes
+
+
+def test_one_hostile_sender_cannot_move_a_row_further_than_an_honest_one():
+    """Through TableService.flush (delta mode: a row moves by exactly the combined gradient)."""
+    spec = TableSpec("t", 256, DIM)
+
+    def flush(row_clip: float, scale: float) -> torch.Tensor:
+        svc = TableService("me", [spec], replicas=1, slots=4, opt=RowOptConfig(deltas=True), row_clip=row_clip)
+        svc.set_members(["me"], 0.0)
+        for p in honest_parts():
+            svc.accept_push(PushRequest(svc.view, f"{p.sender}:1", {"t": p.ids}, {"t": p.grads}))
+        ids = np.arange(200, 210, dtype=np.int64)  # rows only it pushes
+        g = torch.ones(len(ids), DIM) / DIM ** 0.5 * scale
+        svc.accept_push(PushRequest(svc.view, "evil:1", {"t": ids}, {"t": g}))
+        before = svc.read_local("t", np.arange(256))
+        svc.flush()
+        if row_clip:
+            verdicts = {v.sender: v for v in svc.verdicts}
+            assert verdicts["evil"].outlier == (scale > 4) and not verdicts["p0"].outlier
+        return row_norms(before - svc.read_local("t", np.arange(256)))
+
+    honest_moves = flush(2.0, 1.0)
+    hostile_moves = flush(2.0, 1000.0)
+    assert hostile_moves[200:210].max() <= 2.0 * np.median(honest_moves[honest_moves > 0]) * 1.01
+    assert flush(0.0, 1000.0)[200:210].min() > 900  # undefended: the push as it came
+
+
+class _Peer:
+    """What the table routes use of a Peer."""
+
+    def __init__(self):
+        self.tables = TableService("me", [TableSpec("t", 256, DIM)], replicas=1, slots=4)
+        self.tables.set_members(["me"], 0.0)  # (pushes are fenced by view, not by membership)
+        self.table_client = TableClient(self.tables, None, self.table_work, "me", lambda p: None, set,
+                                        push_window=0.01, ban_seconds=60.0)
+
+    async def table_work(self, fn, *args):
+        return fn(*args)
+
+
+async def test_a_sender_whose_row_pushes_are_outliers_is_banned_and_refused_with_403():
+    from swarm.server import errors
+
+    peer = _Peer()
+    assert not peer.table_client.banned("evil")
+    for _ in range(3):  # three outlier flushes: 1.0 -> 0.7 -> 0.4 -> 0.1 < 0.25
+        peer.table_client.observe([RowVerdict("evil", 10, 10, True), RowVerdict("p1", 10, 0, False),
+                                   RowVerdict("me", 10, 0, True)])
+    assert peer.table_client.banned("evil") and not peer.table_client.banned("p1")
+    assert not peer.table_client.banned("me")  # our own pushes are never scored
+    m = peer.tables.map
+    mine = np.arange(4, dtype=np.int64)
+    app = web.Application(middlewares=[errors])
+    add_routes(app, lambda request: peer)
+    async with TestClient(TestServer(app)) as client:
+        body = encode_push(PushRequest(m.view, "evil:3", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
+        r = await client.post("/v1/rows/push", data=body)
+        assert r.status == 403 and (await r.json())["code"] == "banned"
+        assert peer.tables.pending == {}
+        body = encode_push(PushRequest(m.view, "p1:3", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
+        r = await client.post("/v1/rows/push", data=body)
+        assert r.status == 200, await r.text()
+    st = peer.table_client.status()["push_scores"]
+    assert st["evil"]["bans"] == 1 and st["evil"]["refused"] == 1 and st["p1"]["bans"] == 0
+    peer.table_client.batcher.close()
