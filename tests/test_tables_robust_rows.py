@@ -8,6 +8,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from swarm.bodies import SENDER
 from swarm.tables import TableSpec
 from swarm.tables.formats import PushRequest, encode_push
 from swarm.tables.http import TableClient, add_routes
@@ -132,15 +133,25 @@ async def test_a_sender_whose_row_pushes_are_outliers_is_banned_and_refused_with
     assert not peer.table_client.banned("me")  # our own pushes are never scored
     m = peer.tables.map
     mine = np.arange(4, dtype=np.int64)
-    app = web.Application(middlewares=[errors])
+
+    @web.middleware
+    async def signed_by(request, handler):  # stands in for server.authenticate: who signed the request
+        request[SENDER] = request.headers["X-Test-Sender"]
+        return await handler(request)
+
+    app = web.Application(middlewares=[errors, signed_by])
     add_routes(app, lambda request: peer)
     async with TestClient(TestServer(app)) as client:
         body = encode_push(PushRequest(m.view, "evil:3", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
-        r = await client.post("/v1/rows/push", data=body)
+        r = await client.post("/v1/rows/push", data=body, headers={"X-Test-Sender": "evil"})
         assert r.status == 403 and (await r.json())["code"] == "banned"
+        # nor can it push in another's name: the key must name its signer
+        body = encode_push(PushRequest(m.view, "p1:4", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
+        r = await client.post("/v1/rows/push", data=body, headers={"X-Test-Sender": "evil"})
+        assert r.status == 403 and (await r.json())["code"] == "sender"
         assert peer.tables.pending == {}
         body = encode_push(PushRequest(m.view, "p1:3", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
-        r = await client.post("/v1/rows/push", data=body)
+        r = await client.post("/v1/rows/push", data=body, headers={"X-Test-Sender": "p1"})
         assert r.status == 200, await r.text()
     st = peer.table_client.status()["push_scores"]
     assert st["evil"]["bans"] == 1 and st["evil"]["refused"] == 1 and st["p1"]["bans"] == 0

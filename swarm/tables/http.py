@@ -27,7 +27,7 @@ from aiohttp import web
 
 from .. import robust
 from ..transport import PeerUnreachable, Transport
-from ..bodies import INLINE_BYTES, BadRequest, msgpack_response, pack, read_body, unpack_map
+from ..bodies import INLINE_BYTES, SENDER, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .ownership import Move
@@ -66,10 +66,14 @@ class Banned(Exception):
 
 
 def push_sender(request: web.Request, req: PushRequest) -> str:
-    """THE place that says who sent a push, for the robust combine's scores and bans: today the
-    peer its key names ("peer:step"), which only the shared secret vouches for. When requests carry
-    an authenticated sender id (``request.get("swarm.sender")``), return that here instead."""
-    return sender_of(req)
+    """Who sent a push, for the robust combine's scores and bans: the request's authenticated
+    sender (server.authenticate). A push whose key ("peer:step") names another peer is refused: a
+    member cannot push in another's name."""
+    sender = request[SENDER]
+    if sender_of(req) != sender:
+        raise BadRequest(f"push names sender {sender_of(req)[:16]!r} but was signed by {sender[:16]!r}", 403,
+                         code="sender")
+    return sender
 
 
 class TableClient:
