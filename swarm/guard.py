@@ -12,9 +12,9 @@ Who a client is (docs/security.md, "Per-client limits"):
   * anyone else: the outsider at its address (IPv6: its /64, which one host usually holds).
 
 Order of the checks (``build_app``'s middlewares ``screen, authenticate, admit, errors``):
-  1. a new connection is charged to its address before a byte of it is read (``connection_made``:
-     over the address's connection cap, or with its request budget spent, it gets a fixed
-     ``HTTP/1.1 429`` and is closed, before any HTTP parsing, and under TLS after the handshake);
+  1. a new connection is charged to its address right after ``accept()`` (GuardedSite): over the
+     address's connection cap, or with its request budget spent, it gets a fixed ``HTTP/1.1 429``
+     and is closed before asyncio makes a transport, parses HTTP or (under TLS) shakes hands;
   2. ``screen``, before authentication reads a body or checks a signature: the request is charged
      to its connection's client: the member a connection belongs to once it carried that member's
      authenticated request, else its address. Unauthenticated floods and forged signatures are
@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 from urllib.parse import urlsplit
@@ -42,6 +44,8 @@ from .limits import MEMBER, OUTSIDER, Decision, Key, Limits, parse_budget, MEMBE
 
 if TYPE_CHECKING:
     from .node import Peer
+
+log = logging.getLogger(__name__)
 
 SENDER = "swarm.sender"  # set by authentication once a request's sender verified: its peer id
 EVENTS_PATH = "/api/events"
@@ -85,22 +89,26 @@ class _Conn:
 
 
 class _Guarded(asyncio.Protocol):
-    """Wraps the protocol aiohttp would use for one connection: refuses it cheaply when its client
-    is over budget, else counts it while it is open and passes everything on."""
+    """Wraps the protocol aiohttp would use for one connection: counts the connection against its
+    client while it is open (``taken``: already counted at accept; None: refuse it here when its
+    client is over budget) and passes everything on."""
 
-    __slots__ = ("_guard", "_factory", "_inner", "_transport")
+    __slots__ = ("_guard", "_factory", "_taken", "_inner", "_transport")
 
-    def __init__(self, guard: "Guard", factory: Callable[[], asyncio.Protocol]):
+    def __init__(self, guard: "Guard", factory: Callable[[], asyncio.Protocol], taken: _Conn | None = None):
         self._guard = guard
         self._factory = factory
+        self._taken = taken
         self._inner: Any = None
         self._transport: Any = None
 
     def connection_made(self, transport) -> None:
-        peer = transport.get_extra_info("peername")
-        host = peer[0] if isinstance(peer, (tuple, list)) and peer else ""
-        if not self._guard.connected(transport, host):
-            return
+        if self._taken is not None:
+            self._guard._conns[transport] = self._taken
+        else:
+            peer = transport.get_extra_info("peername")
+            if not self._guard.connected(transport, peer[0] if isinstance(peer, (tuple, list)) and peer else ""):
+                return
         self._transport = transport
         self._inner = self._factory()  # only a connection that is served costs a request handler
         self._inner.connection_made(transport)
@@ -129,7 +137,13 @@ class _Guarded(asyncio.Protocol):
 
 class GuardedSite(web.TCPSite):
     """``web.TCPSite`` whose connections go through the guard first. ``ssl_context`` (or None) is
-    passed to the server as TCPSite would."""
+    passed on as TCPSite would.
+
+    The site accepts on the listening sockets itself: a connection over its client's budget is
+    answered with a fixed 429 and closed right after ``accept()``, before asyncio makes a transport
+    (or, under TLS, a handshake: that client sees the TLS handshake fail), at about a tenth of what
+    serving it would cost. The others are handed to asyncio (``connect_accepted_socket``), counted
+    from that moment."""
 
     __slots__ = ("_guard",)
 
@@ -143,11 +157,59 @@ class GuardedSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
         guard = self._guard
-        self._server = await asyncio.get_running_loop().create_server(
+        loop = asyncio.get_running_loop()
+        raw = None
+        self._server = await loop.create_server(
             lambda: _Guarded(guard, server), self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            start_serving=False)
+        raw = getattr(self._server, "_sockets", None)  # the listening sockets (asyncio.Server's own list)
+        if isinstance(raw, list) and raw and all(isinstance(s, socket.socket) for s in raw):
+            for sock in raw:  # Server.close() removes these readers and closes the sockets
+                sock.listen(self._backlog)  # (what start_serving would do)
+                loop.add_reader(sock.fileno(), self._accept, loop, sock, server)
+        else:  # another event loop: asyncio accepts, the guard refuses in connection_made
+            await self._server.start_serving()
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, server) -> None:
+        guard = self._guard
+        for _ in range(self._backlog):
+            try:
+                conn, addr = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, say: stop accepting for a second, as asyncio does
+                log.warning("accept failed (retrying in 1 s): %s", e)
+                loop.remove_reader(sock.fileno())
+                loop.call_later(1.0, self._resume, loop, sock, server)
+                return
+            host = addr[0] if isinstance(addr, tuple) and addr else ""
+            taken = guard.take(host)
+            if isinstance(taken, Decision):
+                try:
+                    conn.setblocking(False)
+                    conn.send(_REFUSALS.get(taken.retry_seconds, _REFUSALS[10]))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            loop.create_task(self._serve(loop, conn, taken, server))
+
+    def _resume(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, server) -> None:
+        if sock.fileno() >= 0:  # not closed by Server.close() meanwhile
+            loop.add_reader(sock.fileno(), self._accept, loop, sock, server)
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, taken: _Conn, server) -> None:
+        guard = self._guard
+        try:
+            conn.setblocking(False)
+            await loop.connect_accepted_socket(lambda: _Guarded(guard, server, taken), conn, ssl=self._ssl_context)
+        except (OSError, ValueError) as e:  # a failed TLS handshake (ssl.SSLError is an OSError), a reset
+            log.debug("connection dropped before it was served: %s", e)
+            guard.limits.disconnect(taken.key, guard.clock())
+            conn.close()
 
 
 class Guard:
@@ -184,6 +246,13 @@ class Guard:
         return None
 
     # -- connections (from _Guarded) ---------------------------------------------------------------
+    def take(self, host: str) -> _Conn | Decision:
+        """Count a new connection from ``host`` against its address: who it is charged to, or
+        the refusal."""
+        key, scale = self.address_key(host)
+        d = self.limits.connect(key, self.clock(), scale)
+        return _Conn(key, scale) if d.ok else d
+
     def connected(self, transport, host: str) -> bool:
         key, scale = self.address_key(host)
         d = self.limits.connect(key, self.clock(), scale)
