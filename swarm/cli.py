@@ -20,6 +20,7 @@ import traceback
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
 from .config import ConfigError, PeerConfig, field_names, from_env
+from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
 from .task import TaskError, UserCodeError, parse_task_args
 
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a --secret the main port is https only)")
     a("--status-auth", type=int, help="1: the status page, /api/status, /api/events and /metrics need the secret "
                                       "too (?token=, printed at start); 0: open (default 0)")
+    a("--client-limits", type=int, choices=(0, 1), help="1: per-client limits on this peer's HTTP server: requests "
+      "per second, open connections and /api/events streams per client, answered with 429 and Retry-After beyond "
+      "them; members are counted by identity, outsiders by address (docs/security.md; default 1)")
+    a("--member-limits", metavar="KEY=VALUE,...", help="a member's budget on this peer: any of rate (requests/s), "
+      f"burst, connections, streams (default {MEMBER_BUDGET.text()})")
+    a("--outsider-limits", metavar="KEY=VALUE,...", help="the budget of each address that is no member's (a "
+      f"browser on the status page fits): same keys (default {OUTSIDER_BUDGET.text()})")
     a("--task", help="what to train: MODULE:ATTR or path/to/file.py:ATTR, a swarm.Task or a function returning "
                      "one (default: the built-in byte LM)")
     a("--task-arg", action="append", metavar="KEY=VALUE", dest="task_arg",

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET, LimitsError, parse_budget
 from .threads import default_threads
 
 COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
@@ -34,6 +35,11 @@ class PeerConfig:
     # security (docs/security.md)
     secret: str = field(default="", repr=False)  # shared swarm secret; "" = open swarm; "generate" (first peer)
     status_auth: int = 0  # 1 = the status page, /api/status, /api/events and /metrics need the secret too
+    # per-client limits (swarm/limits.py): 0 = off; budgets as "rate=R,burst=B,connections=C,streams=S"
+    # (any of them; "" = the defaults), for members (by identity) and outsiders (by address)
+    client_limits: int = 1
+    member_limits: str = ""
+    outsider_limits: str = ""
     # what to train (swarm/task.py): "MODULE:ATTR" or "FILE.py:ATTR"; empty = the built-in byte LM
     task: str = ""
     task_args: Mapping[str, str] = field(default_factory=dict)  # --task-arg KEY=VALUE, converted by the task
@@ -199,6 +205,13 @@ class PeerConfig:
         need(self.group_timeout > 0, f"--group-timeout must be > 0, got {self.group_timeout}")
         need(self.status_auth in (0, 1), f"--status-auth must be 0 or 1, got {self.status_auth}")
         need(not self.status_auth or bool(self.secret), "--status-auth 1 needs a --secret")
+        need(self.client_limits in (0, 1), f"--client-limits must be 0 or 1, got {self.client_limits}")
+        for flag, text, base in (("--member-limits", self.member_limits, MEMBER_BUDGET),
+                                 ("--outsider-limits", self.outsider_limits, OUTSIDER_BUDGET)):
+            try:
+                parse_budget(text, base, flag)
+            except LimitsError as e:
+                raise ConfigError(str(e)) from None
         if self.secret == "generate":
             need(not self.join, "--secret generate is for the first peer only; "
                                 "a joiner needs the swarm's secret (--secret VALUE)")

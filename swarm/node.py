@@ -172,6 +172,7 @@ class Peer:
         self.pacing = Pacing(self)  # which rounds we send for, and whether we run free (swarm/pacing.py)
         self.last_sketch: list[float] | None = None  # refreshed every few steps on the training thread
         self._runner: web.AppRunner | None = None
+        self.guard = None  # swarm/guard.py's Guard once started (None: --client-limits 0)
 
     # -- compute off the event loop -------------------------------------------------------------
     async def work(self, fn: Callable, *args: Any) -> Any:
@@ -243,6 +244,7 @@ class Peer:
             seed = (await self.work(comm.all_gather_text, self.key.seed().hex()))[0]
             self.key = PeerKey.from_seed(bytes.fromhex(seed))
             self.id = f"{self.key.id}~{comm.rank}"
+        from .guard import for_peer as guard_for
         from .server import build_app  # the routes are a thin shell over this object
 
         generated = self.cfg.secret == "generate"  # (config: only without --join)
@@ -280,12 +282,14 @@ class Peer:
             import sys
 
             print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
+        self.guard = guard_for(self)  # per-client limits (swarm/guard.py); None with --client-limits 0
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
         await self._runner.setup()
         self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
-        site = web.TCPSite(self._runner, self.cfg.host, port,
-                           ssl_context=tls.server_context(self.key) if self.tls else None)
+        ssl_context = tls.server_context(self.key) if self.tls else None
+        site = (self.guard.site(self._runner, self.cfg.host, port, ssl_context=ssl_context) if self.guard is not None
+                else web.TCPSite(self._runner, self.cfg.host, port, ssl_context=ssl_context))
         await site.start()
         port = self._runner.addresses[0][1]
         self.port = port

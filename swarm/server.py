@@ -278,7 +278,9 @@ async def status(request: web.Request) -> web.Response:
 
 
 def build_app(peer: "Peer") -> web.Application:
-    app = web.Application(middlewares=[authenticate, errors], client_max_size=CONTROL_LIMIT)
+    guard = getattr(peer, "guard", None)  # per-client limits: screen before authentication, admit after (guard.py)
+    middlewares = [authenticate, errors] if guard is None else [guard.screen, authenticate, guard.admit, errors]
+    app = web.Application(middlewares=middlewares, client_max_size=CONTROL_LIMIT)
     app[PEER] = peer
     app[VERIFIER] = peer.verifier
     app[NAMES] = peer.names

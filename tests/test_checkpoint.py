@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swarm import checkpoint
+from swarm.identity import KEY_FILE
 from swarm.node import Peer
 
 from .conftest import small_cfg
@@ -44,13 +45,14 @@ async def test_a_peer_resumes_dense_state_residual_and_table_slots(tmp_path: Pat
         await a.close()
     assert first["steps"] == 8
     assert sorted(os.listdir(ck)) == sorted([checkpoint.DENSE, checkpoint.RESIDUAL, checkpoint.TABLES,
-                                             checkpoint.META])
+                                             checkpoint.META, KEY_FILE])  # and the peer's key: its id
     saved_dense, saved_slots = snapshot(a)
     residual = a.compressor.residual.clone()
 
     b = Peer(small_cfg(steps=12, checkpoint=ck), out=lambda line: None)
     await b.start()
     try:
+        assert b.id == a.id  # the same key, so the same id
         assert b.book.step == 8 and b.replica.step == 8
         dense, slots = snapshot(b)
         assert all(torch.equal(dense[k], saved_dense[k]) for k in saved_dense)

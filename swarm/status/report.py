@@ -142,6 +142,7 @@ def status(peer: "Peer") -> dict:
         "pull_latency_ms": peer.table_client.stats.percentiles() if peer.table_client is not None else None,
         "step_phases": peer.step_times.report(),
         "group": peer.group.status() if peer.group is not None else None,
+        "limits": peer.guard.status() if getattr(peer, "guard", None) is not None else None,  # swarm/limits.py
         # for the status page (docs/protocol.md, "GET /api/status")
         "now": time.time(),
         "compression": peer.cfg.compression,

@@ -159,6 +159,9 @@ class PeerCollector(Collector):
         yield rejected
         yield _counter("swarm_dropped_sends", "Outgoing payloads dropped because a send queue was full.",
                        p.dropped_sends)
+        guard = getattr(p, "guard", None)
+        if guard is not None:
+            yield from _limit_metrics(guard.limits)
         members = GaugeMetricFamily("swarm_members", "Members this peer knows, by state (itself included).",
                                     labels=["state"])
         counts = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
@@ -179,6 +182,27 @@ class PeerCollector(Collector):
                 if lk.rtt is not None:
                     rtt.add_metric([pid], lk.rtt)
             yield rtt
+
+
+def _limit_metrics(limits) -> Iterator:
+    """The per-client limits (swarm/limits.py): refusals by client kind and reason, tracked clients,
+    open connections and event streams by kind."""
+    refused = CounterMetricFamily("swarm_limited", "Connections and requests refused with 429 by the per-client "
+                                  "limits, by client kind (member, outsider) and reason (rate, connections, "
+                                  "streams, clients).", labels=["client", "reason"])
+    clients = GaugeMetricFamily("swarm_limit_clients", "Clients the per-client limits track, by kind.",
+                                labels=["client"])
+    conns = GaugeMetricFamily("swarm_limit_connections", "Open connections, by client kind.", labels=["client"])
+    streams = GaugeMetricFamily("swarm_limit_streams", "Open /api/events streams, by client kind.", labels=["client"])
+    for kind, st in limits.status().items():
+        if not isinstance(st, dict):
+            continue
+        for reason, n in st["refused"].items():
+            refused.add_metric([kind, reason], n)
+        clients.add_metric([kind], st["clients"])
+        conns.add_metric([kind], st["connections"])
+        streams.add_metric([kind], st["streams"])
+    yield from (refused, clients, conns, streams)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
