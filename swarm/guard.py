@@ -11,7 +11,7 @@ Who a client is (docs/security.md, "Per-client limits"):
   * anyone else: the outsider at its address (IPv6: its /64, which one host usually holds).
 
 Order of the checks (``build_app``'s middlewares ``screen, authenticate, admit, errors``):
-  1. a new connection is charged to its address right after ``accept()`` (GuardedSite): over the
+  1. a new connection is charged to its address right after ``accept()`` (GuardedListener): over the
      address's connection cap, or with its request budget spent, it gets a fixed ``HTTP/1.1 429``
      and is closed before asyncio makes a transport, parses HTTP or (under TLS) shakes hands;
   2. ``screen``, before authentication reads a body or checks a signature: the request is charged
@@ -50,6 +50,11 @@ EVENTS_PATH = "/api/events"
 # request key: (client key, scale) that screen took a token from
 CHARGED = web.RequestKey("swarm_charged", tuple) if hasattr(web, "RequestKey") else "swarm.charged"
 BACKLOG = 1024  # listen queue: a burst of connections waits there to be refused, not in SYN retries
+# An outsider's refusal is held back this long (at most its Retry-After): the connection waits,
+# costing nothing but a descriptor, instead of coming straight back for another refusal. A flood's
+# rate is then bounded by its connections, not by how fast we can say no (docs/security.md).
+TARPIT_S = 1.0
+HELD_MAX = 1024  # refused connections held at once; beyond that they are refused at once
 HOSTS_TTL = 5.0  # seconds the member hosts are cached (at most; a membership change refreshes them)
 
 
@@ -133,45 +138,73 @@ class _Guarded(asyncio.Protocol):
             self._inner.resume_writing()
 
 
-class GuardedSite(web.TCPSite):
-    """``web.TCPSite`` whose connections go through the guard first. ``ssl_context`` (or None) is
-    passed on as TCPSite would.
+class GuardedListener:
+    """A listening socket whose connections go through the guard first, served by ``factory``
+    (an aiohttp runner's ``server``), with ``ssl_context`` (or None) for TLS.
 
-    The site accepts on the listening sockets itself: a connection over its client's budget is
-    answered with a fixed 429 and closed right after ``accept()``, before asyncio makes a transport
-    (or, under TLS, a handshake: that client sees the TLS handshake fail), at about a tenth of what
-    serving it would cost. The others are handed to asyncio (``connect_accepted_socket``), counted
-    from that moment."""
+    It accepts on its sockets itself: a connection over its client's budget is answered with a
+    fixed 429 and closed right after ``accept()``, before asyncio makes a transport (or, under TLS,
+    a handshake: that client sees the TLS handshake fail), at about a tenth of what serving it
+    would cost; an outsider's is held back ``guard.tarpit`` seconds first (its client waits instead
+    of coming straight back). The others are handed to asyncio (``connect_accepted_socket``),
+    counted from that moment. Only public socket and event loop calls: no aiohttp site internals."""
 
-    __slots__ = ("_guard",)
-
-    def __init__(self, runner: web.BaseRunner, host: str | None, port: int, guard: "Guard", *,
+    def __init__(self, guard: "Guard", factory: Callable[[], asyncio.Protocol], host: str | None, port: int, *,
                  ssl_context=None, backlog: int = BACKLOG):
-        super().__init__(runner, host, port, ssl_context=ssl_context, backlog=backlog)
         self._guard = guard
+        self._factory = factory
+        self._host = host
+        self._port = port
+        self._ssl = ssl_context
+        self._backlog = backlog
+        self._socks: list[socket.socket] = []
+        self._held: set[socket.socket] = set()  # refused connections waiting for their answer
+        self._tasks: set[asyncio.Task] = set()
+        self.port = port
 
     async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        server = self._runner.server
-        assert server is not None
-        guard = self._guard
         loop = asyncio.get_running_loop()
-        raw = None
-        self._server = await loop.create_server(
-            lambda: _Guarded(guard, server), self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port,
-            start_serving=False)
-        raw = getattr(self._server, "_sockets", None)  # the listening sockets (asyncio.Server's own list)
-        if isinstance(raw, list) and raw and all(isinstance(s, socket.socket) for s in raw):
-            for sock in raw:  # Server.close() removes these readers and closes the sockets
-                sock.listen(self._backlog)  # (what start_serving would do)
-                loop.add_reader(sock.fileno(), self._accept, loop, sock, server)
-        else:  # another event loop: asyncio accepts, the guard refuses in connection_made
-            await self._server.start_serving()
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        infos = await loop.getaddrinfo(self._host or None, self._port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        seen = set()
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # every address on the same port: the first one's, when it was 0
+                sock.bind((addr[0], self.port, *addr[2:]) if self._socks else addr)
+                sock.listen(self._backlog)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                if len(seen) == 1:  # the first address must work; a further one (say IPv6) may not
+                    raise
+                continue
+            if not self._socks:
+                self.port = sock.getsockname()[1]
+            self._socks.append(sock)
+            loop.add_reader(sock.fileno(), self._accept, loop, sock)
+        if not self._socks:
+            raise OSError(f"cannot listen on {self._host}:{self._port}")
 
-    def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, server) -> None:
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in self._socks:
+            loop.remove_reader(sock.fileno())
+            sock.close()
+        self._socks.clear()
+        for conn in list(self._held):
+            conn.close()
+        self._held.clear()
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         guard = self._guard
         for _ in range(self._backlog):
             try:
@@ -181,29 +214,42 @@ class GuardedSite(web.TCPSite):
             except OSError as e:  # out of file descriptors, say: stop accepting for a second, as asyncio does
                 log.warning("accept failed (retrying in 1 s): %s", e)
                 loop.remove_reader(sock.fileno())
-                loop.call_later(1.0, self._resume, loop, sock, server)
+                loop.call_later(1.0, self._resume, loop, sock)
                 return
             host = addr[0] if isinstance(addr, tuple) and addr else ""
             taken = guard.take(host)
             if isinstance(taken, Decision):
-                try:
-                    conn.setblocking(False)
-                    conn.send(_REFUSALS.get(taken.retry_seconds, _REFUSALS[10]))
-                except OSError:
-                    pass
-                conn.close()
+                refusal = _REFUSALS.get(taken.retry_seconds, _REFUSALS[10])
+                if guard.tarpit > 0 and len(self._held) < HELD_MAX:  # answered later: its client waits
+                    self._held.add(conn)
+                    loop.call_later(min(guard.tarpit, taken.retry_seconds), self._refuse, conn, refusal)
+                else:
+                    self._refuse(conn, refusal)
                 continue
-            loop.create_task(self._serve(loop, conn, taken, server))
+            task = loop.create_task(self._serve(loop, conn, taken))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    def _resume(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, server) -> None:
-        if sock.fileno() >= 0:  # not closed by Server.close() meanwhile
-            loop.add_reader(sock.fileno(), self._accept, loop, sock, server)
+    def _refuse(self, conn: socket.socket, refusal: bytes) -> None:
+        self._held.discard(conn)
+        if conn.fileno() < 0:
+            return  # the listener closed meanwhile
+        try:
+            conn.setblocking(False)
+            conn.send(refusal)
+        except OSError:
+            pass
+        conn.close()
 
-    async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, taken: _Conn, server) -> None:
+    def _resume(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        if sock.fileno() >= 0:  # not closed meanwhile
+            loop.add_reader(sock.fileno(), self._accept, loop, sock)
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, taken: _Conn) -> None:
         guard = self._guard
         try:
             conn.setblocking(False)
-            await loop.connect_accepted_socket(lambda: _Guarded(guard, server, taken), conn, ssl=self._ssl_context)
+            await loop.connect_accepted_socket(lambda: _Guarded(guard, self._factory, taken), conn, ssl=self._ssl)
         except (OSError, ValueError) as e:  # a failed TLS handshake (ssl.SSLError is an OSError), a reset
             log.debug("connection dropped before it was served: %s", e)
             guard.limits.disconnect(taken.key, guard.clock())
@@ -216,10 +262,12 @@ class Guard:
     ``hosts()`` maps the addresses where members live to how many live there."""
 
     def __init__(self, limits: Limits, *, hosts: Callable[[], Mapping[str, int]] = dict,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tarpit: float = TARPIT_S):
         self.limits = limits
         self.hosts = hosts
         self.clock = clock
+        self.tarpit = tarpit  # seconds an outsider's refusal is held back (0: answered at once)
+        self.sleep = asyncio.sleep
         self._conns: dict[Any, _Conn] = {}  # transport -> its client (the transport a request arrives on)
 
     # -- who ---------------------------------------------------------------------------------------
@@ -264,6 +312,13 @@ class Guard:
             self.limits.disconnect(conn.key, self.clock())
 
     # -- requests ----------------------------------------------------------------------------------
+    async def refused(self, d: Decision, key: Key) -> web.Response:
+        """``refusal``, held back TARPIT_S (at most its Retry-After) for an outsider: its connection
+        waits instead of asking again at once. A member's is answered at once."""
+        if key[0] == OUTSIDER and self.tarpit > 0:
+            await self.sleep(min(self.tarpit, d.retry_seconds))
+        return self.refusal(d, key)
+
     def refusal(self, d: Decision, key: Key) -> web.Response:
         """The 429 for a refused request: the usual JSON error body and ``Retry-After``. An
         outsider's connection is closed with it, so its next try is a new connection, refused
@@ -286,7 +341,7 @@ class Guard:
         key, scale = (conn.key, conn.scale) if conn is not None else self.address_key(request.remote)
         d = self.limits.request(key, self.clock(), scale)
         if not d.ok:
-            return self.refusal(d, key)
+            return await self.refused(d, key)
         request[CHARGED] = (key, scale)
         return await handler(request)
 
@@ -301,7 +356,7 @@ class Guard:
             key, scale = found or self.address_key(request.remote)
             d = self.limits.request(key, now, scale)
             if not d.ok:
-                return self.refusal(d, key)
+                return await self.refused(d, key)
         else:
             key, scale = charged
             if found is not None and found[0] != key:
@@ -309,7 +364,7 @@ class Guard:
                 key, scale = found
                 d = self.limits.request(key, now, scale)
                 if not d.ok:
-                    return self.refusal(d, key)
+                    return await self.refused(d, key)
         conn = self._conns.get(request.transport)
         if conn is not None and key[0] == MEMBER and conn.key != key:
             d = self.limits.claim(conn.key, key, now, scale)
@@ -322,14 +377,18 @@ class Guard:
             return await handler(request)
         d = self.limits.open_stream(key, now, scale)
         if not d.ok:
-            return self.refusal(d, key)
+            return await self.refused(d, key)
         try:
             return await handler(request)
         finally:
             self.limits.close_stream(key, self.clock())
 
-    def site(self, runner: web.BaseRunner, host: str | None, port: int, *, ssl_context=None) -> GuardedSite:
-        return GuardedSite(runner, host, port, self, ssl_context=ssl_context)
+    async def listen(self, runner: web.BaseRunner, host: str | None, port: int, *,
+                     ssl_context=None) -> GuardedListener:
+        """Start listening for ``runner`` (set up) on host:port; close() the listener to stop."""
+        listener = GuardedListener(self, runner.server, host, port, ssl_context=ssl_context)
+        await listener.start()
+        return listener
 
     def status(self) -> dict:
         return self.limits.status()

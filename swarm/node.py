@@ -288,10 +288,14 @@ class Peer:
         self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
         ssl_context = tls.server_context(self.key) if self.tls else None
-        site = (self.guard.site(self._runner, self.cfg.host, port, ssl_context=ssl_context) if self.guard is not None
-                else web.TCPSite(self._runner, self.cfg.host, port, ssl_context=ssl_context))
-        await site.start()
-        port = self._runner.addresses[0][1]
+        if self.guard is not None:  # the guard accepts first (per-client limits: swarm/guard.py)
+            listener = await self.guard.listen(self._runner, self.cfg.host, port, ssl_context=ssl_context)
+            self._exit.push_async_callback(listener.close)
+            port = listener.port
+        else:
+            site = web.TCPSite(self._runner, self.cfg.host, port, ssl_context=ssl_context)
+            await site.start()
+            port = self._runner.addresses[0][1]
         self.port = port
         if self.cfg.status_port:  # plain HTTP, loopback only: the status routes (server.authenticate)
             await web.TCPSite(self._runner, "127.0.0.1", self.cfg.status_port).start()

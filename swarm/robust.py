@@ -30,9 +30,7 @@ factors are rounded to float32 once, and every sum over contributors runs in a f
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -239,24 +237,6 @@ def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS, w: Sequence[float] 
 # -- scoring -------------------------------------------------------------------------------------
 
 BANNED = "banned"  # Peer.offer's verdict for a payload from a banned sender (the route answers 403)
-
-
-def claimed_sender(blob: bytes, max_header: int = 4096) -> str | None:
-    """The sender id an (invalid) payload's header claims, or None: to charge a refusal to someone.
-
-    Best effort on hostile bytes: never raises. The claim is only as good as the swarm's
-    authentication (docs/security.md): callers charge only live members."""
-    try:
-        if len(blob) < 8:
-            return None
-        (hlen,) = struct.unpack_from("<Q", blob, 0)
-        if hlen > max_header or 8 + hlen > len(blob):
-            return None
-        meta = json.loads(bytes(blob[8:8 + hlen]).decode("utf-8")).get("__metadata__")
-        s = meta.get("s") if isinstance(meta, dict) else None
-        return s if isinstance(s, str) and 0 < len(s) <= 256 else None
-    except Exception:  # malformed JSON, UTF-8, non-dict header ...
-        return None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Transport:
         # peer id -> the SHA-256 fingerprint (hex) of its certificate, from its signed member record
         self.pin_of: Callable[[str], str | None] = lambda peer_id: None
         self._session: aiohttp.ClientSession | None = None
+        self._pins: dict[bytes, aiohttp.Fingerprint] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -67,6 +68,16 @@ class Transport:
                 cookie_jar=aiohttp.DummyCookieJar(),  # peers set no cookies; filtering them costs per request
             )
         return self._session
+
+    def _pinned(self, fp: bytes) -> aiohttp.Fingerprint:
+        """One Fingerprint object per certificate: the connection pool is keyed by it (by identity),
+        so a new object per request would make a new connection, and a TLS handshake, every time."""
+        pin = self._pins.get(fp)
+        if pin is None:
+            if len(self._pins) >= 4096:
+                self._pins.clear()
+            pin = self._pins[fp] = aiohttp.Fingerprint(fp)
+        return pin
 
     async def close(self) -> None:
         if self._session is not None:
@@ -98,7 +109,7 @@ class Transport:
                     der = await tls.peek_certificate(target.host or "", target.port or 443, min(timeout, 5.0))
                     fp = hashlib.sha256(der).digest()
                     proven = fp.hex()
-                ssl_arg = aiohttp.Fingerprint(fp)
+                ssl_arg = self._pinned(fp)
             if self.signer is not None:  # over the request target exactly as aiohttp sends it
                 hdrs.update(self.signer.headers(method, target.raw_path_qs, body, time.time(), to))
             async with self.session.request(method, url, data=body, headers=hdrs, ssl=ssl_arg,

@@ -48,6 +48,15 @@ async def start_peers(n: int, **kw) -> list[Peer]:
     return peers
 
 
+def signed(by, to: Peer, method: str, path: str, body: bytes | None = b"") -> dict:
+    """The headers of a request from ``by`` (a Peer, or a PeerKey of a made-up member) for the peer
+    ``to``: every /v1/* request is signed by its sender for its receiver (swarm/auth.py)."""
+    from swarm import auth
+
+    signer = by.transport.signer if isinstance(by, Peer) else auth.Signer(by, None, to.cfg.secret or None)
+    return signer.headers(method, path, body, time.time(), to.id)
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now (for a peer that must listen on a known port)."""
     with socket.socket() as s:

@@ -5,6 +5,7 @@ token and the plain status port, a 2-peer swarm with a secret, and joiners with 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 
@@ -239,7 +240,12 @@ async def locked():
 
 
 def pin(p: Peer):
-    return aiohttp.Fingerprint(bytes.fromhex(p.key.fingerprint())) if p.tls else True
+    return _pin(p.key.fingerprint()) if p.tls else True
+
+
+@functools.lru_cache(maxsize=None)
+def _pin(fp: str) -> aiohttp.Fingerprint:  # one object per certificate: the client pools by it
+    return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
 async def send(s: aiohttp.ClientSession, p: Peer, method: str, path: str, body: bytes = b"", headers=None):

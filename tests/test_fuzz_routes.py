@@ -51,6 +51,7 @@ class Harness:
         self.thread.start()
         self.peer: Peer = self.run(self._start())
         TO["id"] = self.peer.id
+        self.pin = aiohttp.Fingerprint(bytes.fromhex(self.peer.key.fingerprint()))  # one: the pool keys by it
         self.token = self.peer.status_token
         self.bases = self._bases()
 
@@ -74,7 +75,7 @@ class Harness:
 
     async def _send(self, method: str, path: str, body: bytes, headers: dict) -> tuple[int, bytes]:
         async with self.session.request(method, f"{self.peer.addr}{path}", data=body, headers=headers,
-                                        ssl=aiohttp.Fingerprint(bytes.fromhex(self.peer.key.fingerprint()))) as r:
+                                        ssl=self.pin) as r:
             return r.status, await r.read()
 
     def send(self, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, bytes]:

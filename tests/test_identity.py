@@ -6,6 +6,7 @@ wrong pinned fingerprint, and a restarted first peer whose printed join command 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import stat
@@ -105,7 +106,12 @@ async def start(**kw) -> Peer:
 
 
 def pin(p: Peer):
-    return aiohttp.Fingerprint(bytes.fromhex(p.key.fingerprint())) if p.tls else True
+    return _pin(p.key.fingerprint()) if p.tls else True
+
+
+@functools.lru_cache(maxsize=None)
+def _pin(fp: str) -> aiohttp.Fingerprint:  # one object per certificate: the client pools by it
+    return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
 async def post(s, p: Peer, path: str, body: bytes, headers: dict) -> tuple[int, dict]:

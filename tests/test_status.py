@@ -11,11 +11,14 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.identity import PeerKey
 from swarm.node import Peer
 from swarm.status.routes import STATIC
 from swarm.status.timeline import Series, Timeline
 
-from .conftest import small_cfg
+from .conftest import signed, small_cfg
+
+STRANGER = PeerKey.from_seed(b"status-test-stranger".ljust(32, b"\0"))  # signs requests of a non-member
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,7 +168,8 @@ async def test_rejected_payload_is_logged(idle_peer):
     p = idle_peer
     async with aiohttp.ClientSession() as s:
         async with s.post(f"http://127.0.0.1:{p.port}/v1/grads", data=b"garbage",
-                          headers={"X-Compression": "topk-int8"}) as r:
+                          headers={"X-Compression": "topk-int8",
+                                   **signed(STRANGER, p, "POST", "/v1/grads", b"garbage")}) as r:
             assert r.status == 400
     st = json.loads((await get(p, "/api/status"))[2])
     assert st["rejected"] == {"codec": 1}

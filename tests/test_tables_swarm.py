@@ -13,7 +13,7 @@ import torch
 from swarm.node import Peer
 from swarm.tables.formats import PushRequest, encode_push
 
-from .conftest import small_cfg, start_peers
+from .conftest import signed, small_cfg, start_peers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,18 +85,21 @@ async def test_a_push_is_applied_exactly_once_even_when_retried():
         a, b = peers
         ids = a.tables.map.plan("ngram", np.arange(1024))[b.id][:8]  # rows whose primary is b (64 rows = 8 slots were all a's now and then)
         before = b.tables.shards["ngram"].steps(ids).clone()
-        req = PushRequest(view=b.tables.view, key="tester:7", ids={"ngram": ids},
+        req = PushRequest(view=b.tables.view, key=f"{a.id}:7", ids={"ngram": ids},
                           grads={"ngram": torch.full((len(ids), 128), 0.5)})
         body = encode_push(req)
         async with aiohttp.ClientSession() as s:
-            for _ in range(3):
-                async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=body) as r:
+            for _ in range(3):  # (each a new request, signed anew, with the same push key)
+                async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=body,
+                                  headers=signed(a, b, "POST", "/v1/rows/push", body)) as r:
                     assert r.status == 200
-            stale = encode_push(PushRequest(view="0" * 16, key="tester:8", ids={"ngram": ids},
+            stale = encode_push(PushRequest(view="0" * 16, key=f"{a.id}:8", ids={"ngram": ids},
                                             grads={"ngram": torch.ones(len(ids), 128)}))
-            async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=stale) as r:
+            async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=stale,
+                              headers=signed(a, b, "POST", "/v1/rows/push", stale)) as r:
                 assert r.status == 409 and (await r.json())["code"] == "view-mismatch"
-            async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=body[:-10]) as r:
+            async with s.post(f"http://127.0.0.1:{b.port}/v1/rows/push", data=body[:-10],
+                              headers=signed(a, b, "POST", "/v1/rows/push", body[:-10])) as r:
                 assert r.status == 400
         assert torch.equal(b.tables.shards["ngram"].steps(ids), before + 1)
         assert b.tables.stats.duplicate_pushes == 2
@@ -220,7 +223,8 @@ async def test_a_perturbed_table_replica_is_repaired_from_its_primary_by_the_aud
                                  (msgpack.packb({"table": table, "view": "f" * 16, "slots": [slot]}), 409),
                                  (msgpack.packb({"table": table, "view": omap.view, "slots": []}), 400),
                                  (msgpack.packb({"table": table, "view": omap.view, "slots": ["x"]}), 400)):
-                async with s.post(f"http://127.0.0.1:{primary.port}/v1/rows/digests", data=body) as r:
+                async with s.post(f"http://127.0.0.1:{primary.port}/v1/rows/digests", data=body,
+                                  headers=signed(replica, primary, "POST", "/v1/rows/digests", body)) as r:
                     assert r.status == status, await r.text()
                     assert "error" in await r.json()
     finally:
