@@ -36,6 +36,8 @@ and sample budget (--steps inner steps x --batch-size x N), one after another:
   swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step
   swarm-dense    `peer.py` x N, --compression none (dense fp32 payloads every step; not in the default
                  set: about 12 minutes alone at 8mbit; --only swarm-dense)
+  swarm-tls      `peer.py` x N, the default swarm with a --secret: TLS 1.3 on every link, a MAC on every
+                 request (not in the default set: --only swarm --only swarm-tls measures what TLS costs)
   swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 (--overlap 1) / 32 and the LOCAL_STEP table
                  below (SparseLoCo-ish: topk-int2 at 2%, error feedback decayed 0.95, outer lr 1)
   swarm-diloco   `peer.py` x N, the swarm's dense DiLoCo: --sync-every 32 --compression none, outer
