@@ -92,6 +92,9 @@ def agreement_figures(verdicts: list, attacker: str) -> dict:
         out[f"{who}_flagged"] = sum(v.disagreed for v in vs)
         out[f"{who}_agreement_q"] = quantiles(ag)  # min, 5%, 25%, 50%, 75%, 95%, max
         out[f"{who}_agreements"] = [round(a, 4) for a in ag]
+        out[f"{who}_shared_q"] = quantiles([v.shared for v in vs if v.agreement is not None])
+        out[f"{who}_low"] = sorted((round(v.agreement, 3), v.shared) for v in vs
+                                   if v.agreement is not None and v.agreement < 0.05)  # (agreement, shared rows)
     return out
 
 
