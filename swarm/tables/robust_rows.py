@@ -27,7 +27,7 @@ for thousands of steps). The rule here (docs/design.md, "Robust row pushes"):
    is sum <g, o/|o|> / sum |g| over its shared rows (the part of its pushed mass along the others'
    direction). Honest senders' rows agree (measured in bench/row_attack.py: median 0.2, 5% under
    0.06, under 0 in ~1.7% of flush parts, the lowest -0.32), a sign-flipped sender's point against
-   them (-0.52 to -0.89). With >= ``MIN_ROBUST`` senders that share >= ``MIN_SHARED`` rows, the
+   them (-0.40 to -0.90). With >= ``MIN_ROBUST`` senders that share >= ``MIN_SHARED`` rows, the
    lowest one below ``AGREE_BAR`` (-0.25) is *disagreeing*: its
    rows (all of them, shared or not) take no part in this flush and it is an outlier too; the
    others are judged again without it, one at a time. ``agree`` False skips this rule.
