@@ -20,12 +20,14 @@ DIM = 8
 
 
 def honest_parts(n: int = 4, rows: int = 40, seed: int = 0) -> list[Part]:
-    """``n`` senders, each pushing an overlapping random subset of rows with norms around 1."""
+    """``n`` senders, each pushing an overlapping random subset of rows with norms around 1: a row's
+    gradients share a direction (the row's true gradient) plus each sender's noise, as honest ones do."""
     g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(100, DIM, generator=g) / DIM ** 0.5
     parts = []
     for i in range(n):
         ids = np.sort(np.random.default_rng(seed + i).choice(100, size=rows, replace=False)).astype(np.int64)
-        grads = torch.randn(len(ids), DIM, generator=g) / DIM ** 0.5
+        grads = (truth[torch.from_numpy(ids)] + torch.randn(len(ids), DIM, generator=g) / DIM ** 0.5) / 2 ** 0.5
         parts.append(Part(f"p{i}", ids, grads))
     return parts
 
@@ -35,7 +37,7 @@ def test_a_x1000_push_is_clipped_to_c_times_the_reference_even_on_rows_nobody_el
     own = np.arange(200, 230, dtype=np.int64)  # rows only the attacker pushes
     bad_ids = np.concatenate([parts[0].ids[:10], own])
     bad = Part("evil", bad_ids, 1000 * torch.randn(len(bad_ids), DIM))
-    c = combine(parts + [bad], 2.0)
+    c = combine(parts + [bad], 2.0, agree=False)  # the clip alone (its random rows may also disagree)
     assert c.outliers == ["evil"] and c.clipped["evil"] == len(bad_ids)
     only = np.isin(c.ids, own)
     assert float(row_norms(c.grads[torch.from_numpy(only)]).max()) <= 2.0 * c.reference * (1 + 1e-6)
@@ -106,6 +108,78 @@ def test_one_hostile_sender_cannot_move_a_row_further_than_an_honest_one():
     hostile_moves = flush(2.0, 1000.0)
     assert hostile_moves[200:210].max() <= 2.0 * np.median(honest_moves[honest_moves > 0]) * 1.01
     assert flush(0.0, 1000.0)[200:210].min() > 900  # undefended: the push as it came
+
+
+def unit_rows(parts: list[Part]) -> list[Part]:
+    """The same parts with every row scaled to norm 1 (nothing is clipped: only rule 5 acts)."""
+    return [Part(p.sender, p.ids, p.grads / torch.from_numpy(row_norms(p.grads)).float()[:, None]) for p in parts]
+
+
+def flipped_among_honest(seed: int = 0) -> tuple[list[Part], Part]:
+    """4 honest senders and one pushing an honest sender's rows sign-flipped (honest norms)."""
+    *honest, other = unit_rows(honest_parts(5, seed=seed))
+    return honest, Part("evil", other.ids, -other.grads)
+
+
+def test_a_sign_flipped_sender_on_shared_rows_is_flagged_and_left_out_and_the_honest_ones_are_not():
+    honest, evil = flipped_among_honest()
+    c = combine(honest + [evil], 2.0)
+    assert c.disagreeing == ["evil"] and c.outliers == ["evil"] and sum(c.clipped.values()) == 0
+    assert c.agreement["evil"] < 0 < min(c.agreement[p.sender] for p in honest)
+    assert c.shared["evil"] >= 8
+    # its rows take no part in this flush: the sum of the honest pushes, bit for bit
+    ids, grads = sum_rows([(p.ids, p.grads) for p in honest])
+    assert np.array_equal(c.ids, ids) and torch.equal(c.grads, grads)
+    # without the check (agree=False), or with the defence off (clip 0): it is summed as it came
+    for off in (combine(honest + [evil], 2.0, agree=False), combine(honest + [evil], 0.0)):
+        ids, grads = sum_rows([(p.ids, p.grads) for p in honest + [evil]])
+        assert off.disagreeing == [] and np.array_equal(off.ids, ids) and torch.equal(off.grads, grads)
+    # honest senders alone: nobody flagged, the plain sum
+    alone = combine(honest, 2.0)
+    assert alone.disagreeing == [] and torch.equal(alone.grads, sum_rows([(p.ids, p.grads) for p in honest])[1])
+
+
+def test_agreement_is_not_judged_with_two_senders_or_too_few_shared_rows():
+    honest, evil = flipped_among_honest()
+    two = combine([honest[0], evil], 2.0)  # either could be the one pointing the wrong way
+    assert two.disagreeing == [] and two.outliers == []
+    few = Part("evil", evil.ids[:5], evil.grads[:5])  # under MIN_SHARED shared rows: not judged
+    c = combine(honest + [few], 2.0)
+    assert c.disagreeing == [] and "evil" not in c.agreement
+
+
+def test_the_agreement_rule_is_deterministic():
+    honest, evil = flipped_among_honest(seed=3)
+    parts = [honest[0], evil, *honest[1:]]
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            runs.append(combine(parts, 2.0, [0.9, 1.1]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r.grads, runs[0].grads) and r.agreement == runs[0].agreement
+               and r.disagreeing == runs[0].disagreeing == ["evil"] for r in runs)
+
+
+def test_a_sender_flagged_in_repeated_flushes_is_banned():
+    """Through TableService.flush and TableClient.observe (the 403 of a banned sender: below)."""
+    peer = _Peer()
+    svc = peer.tables
+    for step in range(3):
+        honest, evil = flipped_among_honest(seed=step)
+        for p in honest + [evil]:
+            svc.accept_push(PushRequest(svc.view, f"{p.sender}:{step}", {"t": p.ids}, {"t": p.grads}))
+        svc.flush()
+        v = {v.sender: v for v in svc.verdicts}
+        assert v["evil"].disagreed and v["evil"].outlier and v["evil"].agreement < 0 < v["p0"].agreement
+        assert not any(v[p.sender].disagreed or v[p.sender].outlier for p in honest)
+        peer.table_client.observe(svc.verdicts)
+        assert peer.table_client.banned("evil") == (step == 2)  # 1.0 -> 0.7 -> 0.4 -> 0.1 < 0.25
+    assert peer.table_client.banned("evil") and not any(peer.table_client.banned(f"p{i}") for i in range(4))
+    assert svc.stats.disagreeing_pushes == 3 and svc.stats.outlier_pushes == 3
+    peer.table_client.batcher.close()
 
 
 class _Peer:

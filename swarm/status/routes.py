@@ -127,8 +127,12 @@ class PeerCollector(Collector):
             yield _counter("swarm_table_rows_clipped", "Pushed row gradients this primary scaled down to --row-clip x "
                            "its flush's reference row norm.", p.tables.stats.rows_clipped)
             yield _counter("swarm_table_outlier_pushes", "Senders' parts of a flush whose rows were outliers "
-                           "(level > 4 x the flush's reference): each costs the sender score.",
+                           "(level > 4 x the flush's reference, or pointing against the other senders' rows): "
+                           "each costs the sender score.",
                            p.tables.stats.outlier_pushes)
+            yield _counter("swarm_table_disagreeing_pushes", "Senders' parts of a flush whose rows pointed against "
+                           "the other senders' pushes of the same rows (left out of that flush).",
+                           p.tables.stats.disagreeing_pushes)
         sent = CounterMetricFamily("swarm_bytes_sent", "Bytes sent, by kind.", labels=["kind"])
         for kind, n in sorted(p.counts.sent.items()):
             sent.add_metric([kind], n)

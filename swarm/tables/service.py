@@ -69,7 +69,10 @@ class RowVerdict:
     sender: str
     rows: int  # rows it pushed
     clipped: int  # ... of which were scaled down to the bar
-    outlier: bool  # its rows' level exceeded OUTLIER_FACTOR x the reference (in some table)
+    outlier: bool  # its rows' level exceeded OUTLIER_FACTOR x the reference, or it disagreed (some table)
+    shared: int = 0  # rows it pushed that other senders of the flush pushed too (all tables)
+    agreement: float | None = None  # its lowest agreement over the tables it was judged in (robust_rows)
+    disagreed: bool = False  # its rows pointed against the others' (in some table): left out of the flush
 
 
 def sender_of(req: PushRequest) -> str:
@@ -87,6 +90,7 @@ class TableStats:
     rows_combined: int = 0  # pushed rows that shared an update with another push of the same flush
     rows_clipped: int = 0  # pushed (sender, row) gradients the robust combine scaled down (--row-clip)
     outlier_pushes: int = 0  # (flush, sender) pairs whose rows were outliers (robust_rows.combine)
+    disagreeing_pushes: int = 0  # ... of which its rows pointed against the others' (left out of the flush)
     flushes: int = 0
     duplicate_pushes: int = 0
     replica_updates: int = 0  # full-state replica updates applied
@@ -337,7 +341,7 @@ class TableService:
             for t in tables:
                 by_table.setdefault(t, []).append(Part(sender, req.ids[t], req.grads[t]))
         combined = {}
-        seen: dict[str, list[int]] = {}  # sender -> [rows, clipped, outlier]
+        seen: dict[str, list] = {}  # sender -> [rows, clipped, outlier, shared, agreement, disagreed]
         levels = {}
         for table, parts in by_table.items():
             c = combine(parts, clip, self.levels.others(table, self.stats.flushes, {p.sender for p in parts})
@@ -345,10 +349,14 @@ class TableService:
             ids, grads = c.ids, c.grads
             levels[table] = c.levels
             for s in c.rows:
-                v = seen.setdefault(s, [0, 0, 0])
+                v = seen.setdefault(s, [0, 0, False, 0, None, False])
                 v[0] += c.rows[s]
                 v[1] += c.clipped[s]
                 v[2] |= s in c.outliers
+                v[3] += c.shared.get(s, 0)
+                if s in c.agreement:
+                    v[4] = c.agreement[s] if v[4] is None else min(v[4], c.agreement[s])
+                v[5] |= s in c.disagreeing
             if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
             combined[table] = (ids, grads, sum(len(p.ids) for p in parts) - len(ids))
@@ -362,9 +370,11 @@ class TableService:
             self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1, dtype), forward)
         for table, lv in levels.items():
             self.levels.remember(table, lv, self.stats.flushes)
-        self.verdicts = [RowVerdict(s, rows, clipped, bool(out)) for s, (rows, clipped, out) in seen.items()]
+        self.verdicts = [RowVerdict(s, rows, clipped, bool(out), sh, agr, bool(dis))
+                         for s, (rows, clipped, out, sh, agr, dis) in seen.items()]
         self.stats.rows_clipped += sum(v.clipped for v in self.verdicts)
         self.stats.outlier_pushes += sum(v.outlier for v in self.verdicts)
+        self.stats.disagreeing_pushes += sum(v.disagreed for v in self.verdicts)
         for req, tables, _ in batch:
             for t in tables:
                 self._remember((req.key, t))
