@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
 import resource
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -72,7 +74,8 @@ class Flood:
         self.counts[what] = self.counts.get(what, 0) + 1
 
     async def connect(self):
-        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port, local_addr=(self.a.source, 0)), 5)
+        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port, local_addr=(self.a.source, 0),
+                                                              ssl=unverified() if self.a.tls else None), 5)
 
     async def reply(self, reader: asyncio.StreamReader) -> tuple[str, bool]:
         """(outcome, the server keeps the connection) of one reply."""
@@ -196,9 +199,20 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def status_of(port: int) -> dict:
+@functools.lru_cache(maxsize=1)
+def unverified() -> ssl.SSLContext:
+    """TLS without checking the peer's certificate: the flooder does not care whom it floods, and
+    this benchmark reads its own peers' status on loopback."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def status_of(port: int, tls: bool) -> dict:
     import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as r:
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}/api/status"
+    with urllib.request.urlopen(url, timeout=10, context=unverified() if tls else None) as r:
         return json.loads(r.read())
 
 
@@ -207,7 +221,8 @@ def window(a, procs, logs, flood_port: int | None) -> dict:
     if flood_port is not None:
         fl = subprocess.Popen([sys.executable, __file__, "--flooder", "--target", f"127.0.0.1:{flood_port}",
                                "--source", a.source, "--connections", str(a.connections), "--streams",
-                               str(a.streams), "--rate", str(a.rate), "--duration", str(a.ramp + a.window)],
+                               str(a.streams), "--rate", str(a.rate), "--duration", str(a.ramp + a.window),
+                               *(["--tls"] if a.secret else [])],
                               stdout=subprocess.PIPE, text=True)
         time.sleep(a.ramp)
     s0, w0 = steps_done(logs), time.monotonic()
@@ -242,6 +257,7 @@ def main() -> int:
     # the flooder's own flags
     ap.add_argument("--flooder", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the flooder speaks TLS (a --secret swarm)
     ap.add_argument("--duration", type=float, default=20.0, help=argparse.SUPPRESS)
     ap.add_argument("--retry", type=float, default=1.0, help=argparse.SUPPRESS)  # an event stream's retry
     a = ap.parse_args()
@@ -259,7 +275,7 @@ def main() -> int:
         try:
             for i, port in enumerate(ports):
                 argv = [sys.executable, str(ROOT / "peer.py"), "--port", str(port), "--steps", "100000",
-                        "--batch-size", "2", "--table-rows", "32768", "--threads", "1", "--peer-id", f"p{i}",
+                        "--batch-size", "2", "--table-rows", "32768", "--threads", "1", "--name", f"p{i}",
                         "--progress-interval", "0", "--min-peers", str(a.peers), *a.peer_args.split()]
                 if a.secret:
                     argv += ["--secret", SECRET]
@@ -286,7 +302,7 @@ def main() -> int:
                 print(f"pair {k + 1}: quiet {quiet['steps_per_s']} peer-steps/s, flood {flood['steps_per_s']} "
                       f"(x{flood['steps_per_s'] / max(quiet['steps_per_s'], 1e-9):.2f}); flooder sent "
                       f"{fl['requests_per_s']} req/s, cpu {fl['cpu_per_wall']}, {fl['outcomes']}", flush=True)
-            limits = status_of(ports[0]).get("limits")
+            limits = status_of(ports[0], a.secret).get("limits")
         except RuntimeError as e:
             print(f"bench/flood.py: {e}", file=sys.stderr)
             return 2

@@ -50,10 +50,10 @@ EVENTS_PATH = "/api/events"
 # request key: (client key, scale) that screen took a token from
 CHARGED = web.RequestKey("swarm_charged", tuple) if hasattr(web, "RequestKey") else "swarm.charged"
 BACKLOG = 1024  # listen queue: a burst of connections waits there to be refused, not in SYN retries
-# An outsider's refusal is held back this long (at most its Retry-After): the connection waits,
-# costing nothing but a descriptor, instead of coming straight back for another refusal. A flood's
-# rate is then bounded by its connections, not by how fast we can say no (docs/security.md).
-TARPIT_S = 1.0
+# An outsider's refusal is held back this long: the connection waits, costing nothing but a
+# descriptor, instead of coming straight back for another refusal. A flood's rate is then bounded by
+# its connections, not by how fast we can say no (docs/security.md).
+TARPIT_S = 2.0
 HELD_MAX = 1024  # refused connections held at once; beyond that they are refused at once
 HOSTS_TTL = 5.0  # seconds the member hosts are cached (at most; a membership change refreshes them)
 
@@ -222,7 +222,7 @@ class GuardedListener:
                 refusal = _REFUSALS.get(taken.retry_seconds, _REFUSALS[10])
                 if guard.tarpit > 0 and len(self._held) < HELD_MAX:  # answered later: its client waits
                     self._held.add(conn)
-                    loop.call_later(min(guard.tarpit, taken.retry_seconds), self._refuse, conn, refusal)
+                    loop.call_later(guard.tarpit, self._refuse, conn, refusal)
                 else:
                     self._refuse(conn, refusal)
                 continue
@@ -313,10 +313,10 @@ class Guard:
 
     # -- requests ----------------------------------------------------------------------------------
     async def refused(self, d: Decision, key: Key) -> web.Response:
-        """``refusal``, held back TARPIT_S (at most its Retry-After) for an outsider: its connection
-        waits instead of asking again at once. A member's is answered at once."""
+        """``refusal``, held back ``tarpit`` seconds for an outsider: its connection waits instead of
+        asking again at once. A member's is answered at once."""
         if key[0] == OUTSIDER and self.tarpit > 0:
-            await self.sleep(min(self.tarpit, d.retry_seconds))
+            await self.sleep(self.tarpit)
         return self.refusal(d, key)
 
     def refusal(self, d: Decision, key: Key) -> web.Response:

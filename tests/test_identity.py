@@ -21,6 +21,7 @@ from swarm.codec import HEADER, CodecConfig, Compressor
 from swarm.config import ConfigError, PeerConfig
 from swarm.identity import PeerKey
 from swarm.node import Peer
+from swarm.server import UNAUTHORIZED_REASON
 from swarm.transport import PeerUnreachable
 
 from .conftest import free_port, small_cfg
@@ -230,7 +231,7 @@ async def test_a_proxy_between_two_peers_sees_no_plaintext_and_cannot_alter_a_re
 
 # -- the command line ----------------------------------------------------------------------------
 
-async def test_a_wrong_fingerprint_is_one_line_and_a_restarted_first_peer_keeps_its_id_and_join_command(
+async def test_a_wrong_fingerprint_or_secret_is_one_line_and_a_restarted_first_peer_keeps_its_id_and_join_command(
         spawn, tmp_path):
     from .test_peer_cli import run_cli
 
@@ -249,6 +250,13 @@ async def test_a_wrong_fingerprint_is_one_line_and_a_restarted_first_peer_keeps_
     err = [line for line in r.stderr.strip().splitlines() if line]
     assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"is not the peer --join {where}#{wrong} names" in err[0] and "not the pinned" in err[0]
+    # the right certificate but a wrong secret: refused, one line, exit 2
+    bad = ("y" if secret[0] == "x" else "x") + secret[1:]  # (a generated secret may start with "x")
+    r = await loop.run_in_executor(None, lambda: run_cli("--table-rows", "4096", "--join", f"{where}#{fp}",
+                                                         "--secret", bad))
+    err = [line for line in r.stderr.strip().splitlines() if line]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "refused to let us join" in err[0] and UNAUTHORIZED_REASON in err[0]
     first.kill(signal.SIGTERM)
     await first.finish(60)
     again = spawn(*args)

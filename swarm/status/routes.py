@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -26,6 +27,26 @@ SSE_INTERVAL = 1.0  # seconds between two /api/events messages
 
 STATUS_PEER: web.AppKey[Peer] = web.AppKey("status_peer")
 CLOSING = web.AppKey("status_closing", asyncio.Event)
+
+
+class SharedStatus:
+    """The /api/events message of the current second, built once for every open stream: a
+    document costs milliseconds to build, and each open stream would build its own every second
+    (a flood's few streams, or many browser tabs, multiply it; docs/security.md)."""
+
+    def __init__(self) -> None:
+        self.at = -1e9
+        self.message = b""
+
+    def get(self, peer: "Peer", now: float) -> bytes:
+        if now - self.at >= SSE_INTERVAL / 2:
+            data = json.dumps(peer.status(), separators=(",", ":"), default=_json_default)
+            self.message = f"event: status\ndata: {data}\n\n".encode()
+            self.at = now
+        return self.message
+
+
+SHARED = web.AppKey("status_shared", SharedStatus)
 REGISTRY = web.AppKey("status_registry", CollectorRegistry)
 
 
@@ -33,6 +54,7 @@ def setup(app: web.Application, peer: "Peer") -> None:
     """Mount the page, its assets, /api/events and /metrics on ``app`` (before it starts)."""
     app[STATUS_PEER] = peer
     app[CLOSING] = asyncio.Event()
+    app[SHARED] = SharedStatus()
     registry = CollectorRegistry(auto_describe=True)  # one per peer: several peers share a test process
     registry.register(PeerCollector(peer))
     app[REGISTRY] = registry
@@ -60,9 +82,9 @@ async def events(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     try:
         await resp.write(b"retry: 2000\n\n")
+        shared = request.app[SHARED]
         while not closing.is_set() and not peer.stopping:
-            data = json.dumps(peer.status(), separators=(",", ":"), default=_json_default)
-            await resp.write(f"event: status\ndata: {data}\n\n".encode())
+            await resp.write(shared.get(peer, time.monotonic()))
             try:
                 await asyncio.wait_for(closing.wait(), SSE_INTERVAL)
             except asyncio.TimeoutError:
