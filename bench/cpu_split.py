@@ -72,6 +72,19 @@ def steps_done(logs: list[Path]) -> list[int]:
     return done
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every peer's process group (each peer leaves the swarm), SIGKILL what is left after 30 s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def run(mode: str, a, tmp: Path) -> dict:
     """One run of --peers peers (``mode``: "alone", "together", or "tls": together with a --secret);
     CPU ms per peer-step by role."""
@@ -110,15 +123,7 @@ def run(mode: str, a, tmp: Path) -> dict:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError(f"{mode}: a peer ended inside the window (raise --steps or lower --window)")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(procs)
     steps = sum(b - x for x, b in zip(s0, s1))
     if steps <= 0:
         raise RuntimeError(f"{mode}: no step finished inside the window")

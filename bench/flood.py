@@ -30,14 +30,15 @@ import json
 import os
 import random
 import resource
-import signal
-import socket
 import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_split import free_port, steps_done, stop  # noqa: E402  (bench/cpu_split.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "flood benchmark secret 0123456789abcdef"
@@ -180,17 +181,7 @@ def flooder(a) -> int:
     return 0
 
 
-# -- the swarm -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def steps_done(logs: list[Path]) -> list[int]:
-    return [sum(1 for line in log.read_text().splitlines() if line.startswith("step ")) for log in logs]
-
-
+# -- the swarm (ports, step counts and shutdown as bench/cpu_split.py's) ---------------------------
 def cpu_of(pid: int) -> float:
     try:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -307,15 +298,7 @@ def main() -> int:
             print(f"bench/flood.py: {e}", file=sys.stderr)
             return 2
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            stop(procs)
     quiet = sum(w["quiet"]["peer_steps"] for w in windows) / sum(w["quiet"]["seconds"] for w in windows)
     flood = sum(w["flood"]["peer_steps"] for w in windows) / sum(w["flood"]["seconds"] for w in windows)
     ratio = round(flood / quiet, 3) if quiet else None

@@ -224,16 +224,9 @@ class PeerConfig:
         need(0 <= self.status_port <= 65535, f"--status-port must be 0..65535, got {self.status_port}")
         need(not self.key_file or not os.path.isdir(self.key_file), f"--key-file {self.key_file!r} is a directory")
         if self.join:
-            where, _, fp = self.join.partition("#")
-            parse_hostport(where, what="--join")
-            if fp:
-                need(bool(self.secret), "--join HOST:PORT#FP pins a TLS certificate: the swarm needs a --secret")
-                try:
-                    from .identity import parse_fingerprint
-
-                    parse_fingerprint(fp)
-                except ValueError as e:
-                    raise ConfigError(f"--join {self.join}: {e}") from None
+            pin = parse_join(self.join)[2]
+            need(pin is None or bool(self.secret),
+                 "--join HOST:PORT#FP pins a TLS certificate: the swarm needs a --secret")
         if self.advertise:
             parse_hostport(self.advertise, what="--advertise", port_optional=True)
         if self.data:
@@ -269,6 +262,19 @@ def parse_hostport(text: str, *, what: str, port_optional: bool = False) -> tupl
     if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
         raise ConfigError(f"{what} {text!r} has a bad port")
     return host, int(port_text)
+
+
+def parse_join(text: str) -> tuple[str, int, bytes | None]:
+    """'host:port[#FP]' -> (host, port, the pinned certificate's SHA-256 or None); ConfigError on
+    anything else."""
+    from .identity import parse_fingerprint  # (cryptography: only when a join address is parsed)
+
+    where, _, fp = text.partition("#")
+    host, port = parse_hostport(where, what="--join")
+    try:
+        return host, port, (parse_fingerprint(fp) if fp else None)
+    except ValueError as e:
+        raise ConfigError(f"--join {text}: {e}") from None
 
 
 BUILTIN_ONLY = ("batch_size", "lr", "data", "table_rows", "eval_batches")

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
-__all__ = ["KeyFileError", "PeerKey", "peer_id_of", "host_of", "owns", "verify", "b64", "unb64",
+__all__ = ["KeyFileError", "PeerKey", "peer_id_of", "owns", "verify", "b64", "unb64",
            "fingerprint_hex", "parse_fingerprint", "KEY_FILE", "ID_HEX"]
 
 KEY_FILE = "peer.key"  # its name in a --checkpoint directory
@@ -65,12 +65,6 @@ def unb64(text: str, length: int) -> bytes | None:
 def peer_id_of(public: bytes) -> str:
     """The peer id a public key stands for: 128 bits of SHA-256 over it, in hex."""
     return hashlib.sha256(_ID_LABEL + public).hexdigest()[:ID_HEX]
-
-
-def host_of(peer_id: str) -> str:
-    """The key's part of a peer id: a rank of a torchrun host group is ``<host id>~<rank>``, all
-    ranks of one host sharing the host's key (docs/security.md: ranks of a host trust each other)."""
-    return peer_id.split("~", 1)[0]
 
 
 def owns(public: bytes, peer_id: str) -> bool:
@@ -123,6 +117,7 @@ class PeerKey:
     public: bytes = field(init=False)
     id: str = field(init=False)
     _cert: x509.Certificate | None = field(default=None, init=False, repr=False)
+    _fingerprint: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.public = self.private.public_key().public_bytes(serialization.Encoding.Raw,
@@ -217,5 +212,8 @@ class PeerKey:
         return self.certificate().public_bytes(serialization.Encoding.PEM)
 
     def fingerprint(self) -> str:
-        """The certificate's SHA-256 fingerprint in hex: what clients pin (``HOST:PORT#FP``)."""
-        return fingerprint_hex(self.cert_der())
+        """The certificate's SHA-256 fingerprint in hex: what clients pin (``HOST:PORT#FP``). Made
+        once: the status document shows it every time it is built."""
+        if not self._fingerprint:
+            self._fingerprint = fingerprint_hex(self.cert_der())
+        return self._fingerprint

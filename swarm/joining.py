@@ -9,10 +9,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import auth, checkpoint, identity
+from . import auth, checkpoint
 from . import settings as swarm_settings
 from .bodies import PROTOCOL_VERSION, unpack_map
-from .config import ConfigError, bracket_host, parse_hostport
+from .config import ConfigError, bracket_host, parse_join
 from .roundbook import RoundBook
 from .robust import RobustConfig
 from .transport import PeerUnreachable
@@ -29,16 +29,6 @@ class JoinError(Exception):
 
 def not_a_peer(join: str, why: str) -> str:
     return f"--join {join} is not a swarm peer: {why} (check the host and port)"
-
-
-def split_join(join: str) -> tuple[str, int, bytes | None]:
-    """(host, port, pinned certificate fingerprint or None) of ``HOST:PORT[#FP]``."""
-    where, _, fp = join.partition("#")
-    host, port = parse_hostport(where, what="--join")
-    try:
-        return host, port, (identity.parse_fingerprint(fp) if fp else None)
-    except ValueError as e:
-        raise ConfigError(f"--join {join}: {e}") from None
 
 
 class Joining:
@@ -126,7 +116,7 @@ class Joining:
     async def ask(self, join: str, what: str, call: Callable[[str], Any]) -> Any:
         """``call(target)`` on the --join target, retried while it is unreachable or starting (up to
         --join-timeout); a refusal, or an answer that is not a swarm peer's, is a JoinError saying so."""
-        host, port, pin = split_join(join)
+        host, port, pin = parse_join(join)
         target = self.target(join)
         to = auth.address_name(host, port)
         deadline = time.monotonic() + self.peer.cfg.join_timeout
@@ -149,7 +139,7 @@ class Joining:
 
     def target(self, join: str) -> str:
         """The URL of the --join target: https when the swarm has a secret (docs/security.md)."""
-        host, port, _ = split_join(join)
+        host, port, _ = parse_join(join)
         return f"{'https' if self.peer.cfg.secret else 'http'}://{bracket_host(host)}:{port}"
 
     async def join(self, join: str) -> None:

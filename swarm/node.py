@@ -341,7 +341,7 @@ class Peer:
     def _pin_of(self, peer_id: str) -> str | None:
         """The certificate fingerprint a member's signed record gives (the transport pins it)."""
         pin = self.members.pin(peer_id) if self.members is not None else None
-        return pin[1] or None if pin is not None else None
+        return (pin[1] or None) if pin is not None else None
 
     async def save_checkpoint(self) -> None:
         """Write a checkpoint: dense state on the training thread, table slots on the table thread,

@@ -7,6 +7,7 @@ task a test starts is stopped when the test ends, pass or fail.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -55,6 +56,18 @@ def signed(by, to: Peer, method: str, path: str, body: bytes | None = b"") -> di
 
     signer = by.transport.signer if isinstance(by, Peer) else auth.Signer(by, None, to.cfg.secret or None)
     return signer.headers(method, path, body, time.time(), to.id)
+
+
+def pin(p: Peer):
+    """The ``ssl=`` of a test client calling ``p`` directly: its certificate pinned under TLS."""
+    return _pin(p.key.fingerprint()) if p.tls else True
+
+
+@functools.lru_cache(maxsize=None)
+def _pin(fp: str):  # one object per certificate: aiohttp pools connections by it
+    import aiohttp
+
+    return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
 def free_port() -> int:

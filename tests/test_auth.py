@@ -5,7 +5,6 @@ token and the plain status port, a 2-peer swarm with a secret, and joiners with 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import time
 
@@ -19,7 +18,7 @@ from swarm.config import ConfigError, PeerConfig
 from swarm.identity import PeerKey
 from swarm.node import JoinError, Peer
 
-from .conftest import free_port, rel_l2, small_cfg
+from .conftest import free_port, pin, rel_l2, small_cfg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -236,15 +235,6 @@ async def locked():
     p = await start_peer(secret=SECRET, status_auth=1)
     yield p
     await p.close()
-
-
-def pin(p: Peer):
-    return _pin(p.key.fingerprint()) if p.tls else True
-
-
-@functools.lru_cache(maxsize=None)
-def _pin(fp: str) -> aiohttp.Fingerprint:  # one object per certificate: the client pools by it
-    return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
 async def send(s: aiohttp.ClientSession, p: Peer, method: str, path: str, body: bytes = b"", headers=None):

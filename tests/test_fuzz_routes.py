@@ -34,7 +34,7 @@ from swarm.node import Peer
 from swarm.tables.http import body_limits
 from swarm.tables.formats import PullRequest, PushRequest, Replay, encode_pull, encode_push, encode_replays, encode_replica
 
-from .conftest import small_cfg
+from .conftest import pin, small_cfg
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,7 +51,6 @@ class Harness:
         self.thread.start()
         self.peer: Peer = self.run(self._start())
         TO["id"] = self.peer.id
-        self.pin = aiohttp.Fingerprint(bytes.fromhex(self.peer.key.fingerprint()))  # one: the pool keys by it
         self.token = self.peer.status_token
         self.bases = self._bases()
 
@@ -75,7 +74,7 @@ class Harness:
 
     async def _send(self, method: str, path: str, body: bytes, headers: dict) -> tuple[int, bytes]:
         async with self.session.request(method, f"{self.peer.addr}{path}", data=body, headers=headers,
-                                        ssl=self.pin) as r:
+                                        ssl=pin(self.peer)) as r:
             return r.status, await r.read()
 
     def send(self, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, bytes]:

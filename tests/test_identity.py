@@ -6,7 +6,6 @@ wrong pinned fingerprint, and a restarted first peer whose printed join command 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import stat
@@ -24,7 +23,7 @@ from swarm.node import Peer
 from swarm.server import UNAUTHORIZED_REASON
 from swarm.transport import PeerUnreachable
 
-from .conftest import free_port, small_cfg
+from .conftest import free_port, pin, small_cfg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,15 +103,6 @@ async def start(**kw) -> Peer:
     p = Peer(small_cfg(**kw), out=lambda line: None)
     await p.start()
     return p
-
-
-def pin(p: Peer):
-    return _pin(p.key.fingerprint()) if p.tls else True
-
-
-@functools.lru_cache(maxsize=None)
-def _pin(fp: str) -> aiohttp.Fingerprint:  # one object per certificate: the client pools by it
-    return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
 async def post(s, p: Peer, path: str, body: bytes, headers: dict) -> tuple[int, dict]:

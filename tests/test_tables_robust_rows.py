@@ -58,11 +58,9 @@ def test_honest_pushes_within_the_bar_are_the_plain_sum_bit_for_bit():
     assert sum(c.clipped.values()) == 0 and c.outliers == []
 
 
-def test_clip_zero_is_the_plain_sum_and_the_rule_is_deterministic():
-    parts = honest_parts() + [Part("evil", np.arange(5, dtype=np.int64), torch.full((5, DIM), 1e6))]
-    off = combine(parts, 0.0)
-    ids, grads = sum_rows([(p.ids, p.grads) for p in parts])
-    assert np.array_equal(off.ids, ids) and torch.equal(off.grads, grads) and off.levels == {}
+def at_thread_counts(parts: list[Part]) -> list:
+    """``combine`` of the same parts with 1, 2 and again 1 torch threads (C = 2, two remembered
+    levels): what determinism across machines needs."""
     threads = torch.get_num_threads()
     try:
         runs = []
@@ -71,6 +69,15 @@ def test_clip_zero_is_the_plain_sum_and_the_rule_is_deterministic():
             runs.append(combine(parts, 2.0, [0.9, 1.1]))
     finally:
         torch.set_num_threads(threads)
+    return runs
+
+
+def test_clip_zero_is_the_plain_sum_and_the_rule_is_deterministic():
+    parts = honest_parts() + [Part("evil", np.arange(5, dtype=np.int64), torch.full((5, DIM), 1e6))]
+    off = combine(parts, 0.0)
+    ids, grads = sum_rows([(p.ids, p.grads) for p in parts])
+    assert np.array_equal(off.ids, ids) and torch.equal(off.grads, grads) and off.levels == {}
+    runs = at_thread_counts(parts)
     assert all(torch.equal(r.grads, runs[0].grads) and r.reference == runs[0].reference for r in runs)
 
 
@@ -151,14 +158,7 @@ def test_agreement_is_not_judged_with_two_senders_or_too_few_shared_rows():
 def test_the_agreement_rule_is_deterministic():
     honest, evil = flipped_among_honest(seed=3)
     parts = [honest[0], evil, *honest[1:]]
-    threads = torch.get_num_threads()
-    try:
-        runs = []
-        for n in (1, 2, 1):
-            torch.set_num_threads(n)
-            runs.append(combine(parts, 2.0, [0.9, 1.1]))
-    finally:
-        torch.set_num_threads(threads)
+    runs = at_thread_counts(parts)
     assert all(torch.equal(r.grads, runs[0].grads) and r.agreement == runs[0].agreement
                and r.disagreeing == runs[0].disagreeing == ["evil"] for r in runs)
 
