@@ -166,7 +166,7 @@ class Peer:
         self.window = cfg.sync_every
         self.rounds_total = cfg.steps // cfg.sync_every  # rounds --steps stands for (0: no end)
         self.inner_step = 0  # inner steps of the window being computed, counted from the swarm's start
-        self.sent_through = -1  # the last round our payload was sent for (an overlapped window runs ahead)
+        self.sent_through = -1  # the last round computed and sent (with --overlap, one ahead of the rounds taken)
         self.window_rows: WindowRows | None = None
         self.local_steps = LocalSteps(self) if self.window > 1 else None
         self.pacing = Pacing(self)  # which rounds we send for, and whether we run free (swarm/pacing.py)
@@ -261,6 +261,7 @@ class Peer:
         await self.joining.agree_settings()
         self.replica = await self.work(self._build_replica, device)
         self.aggregate = torch.zeros(self.replica.numel, dtype=torch.float32)
+        self.replica.predict_ahead = self.overlap and self.window == 1
         if self.window > 1:
             self.replica.use_local_steps(OuterConfig(self.cfg.outer_lr, self.cfg.outer_momentum,
                                                      bool(self.cfg.outer_nesterov)))
@@ -679,35 +680,17 @@ class Peer:
                     prefetched = await _cancelled(prefetched)
                     await self.free_step(role, step)  # slower than the swarm: do not hold its rounds up
                     continue
-                clock.start()
-                batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
-                prefetched = None
-                clock.mark("rows")
-                send = role.gossips and self.pacing.due_round(step) == step  # our round (swarm/pacing.py)
-                stats, row_grads, enc = await self.work(self._compute, batch, want, rows, step, role.reducer,
-                                                        self.pacing.plan_next(step) if send else None, role.ranks)
-                clock.mark("compute")
-                self.check_finite(stats, step)
-                last = self.is_last_round(step)
-                if last:  # the last rows go out before the last payload (_settle_rows relies on it)
-                    await role.push(row_grads, missing, step)
-                if enc is not None:
-                    # the payload before the row pushes: the round waits for it, while row pushes only
-                    # need to land within the owners' push window (on a slow link, bytes queued ahead
-                    # of it delay everyone)
-                    self.send_payload(enc)
-                    self.pacing.publish()
-                if role.prefetch and self.cfg.prefetch and not last:
-                    # the next step's rows travel while this step's round completes; they may miss
-                    # this step's own row update (one step stale), which is the price of the overlap
-                    prefetched = asyncio.ensure_future(self._fetch_batch(role))
-                    await role.prefetch_started(prefetched)
-                if not last:
-                    await role.push(row_grads, missing, step)
-                self.record_contribution(stats, enc)
-                clock.mark("send")
+                loss, computed = float("nan"), self.sent_through < step
+                if computed:  # not computed yet (always, without --overlap)
+                    prefetched, loss = await self.one_step(role, step, prefetched)
+                if self.overlap and not self.is_last_round(step) and not self.stopping:
+                    # --overlap: step + 1 computes (on the model without round ``step``) while round
+                    # ``step``'s payloads travel; the round is taken after it (docs/design.md)
+                    if computed:
+                        clock.end()
+                    prefetched, loss = await self.one_step(role, step + 1, prefetched)
                 await role.round(step)  # marks "round" and "apply"
-                await self.after_step(step, stats.loss)
+                await self.after_step(step, loss if loss == loss else self.recent_loss())
                 clock.mark("after")
                 clock.end()
         finally:
@@ -715,13 +698,51 @@ class Peer:
         await role.end()
         await self.drain_pushes(keep=0)
 
+    async def one_step(self, role: "Role", step: int, prefetched: asyncio.Future | None
+                       ) -> tuple[asyncio.Future | None, float]:
+        """Step ``step``'s compute and what it sends: its rows (``prefetched`` or pulled now),
+        forward/backward, its payload when the round is ours, the next step's rows started, its row
+        gradients pushed. Returns the next step's prefetch and this step's loss; the round is the
+        caller's (Peer.steps: this round, or with --overlap the one before)."""
+        clock = self.step_times
+        clock.start()
+        batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
+        prefetched = None
+        clock.mark("rows")
+        send = role.gossips and self.pacing.due_round(step) == step  # our round (swarm/pacing.py)
+        ahead = step > self.book.step  # overlapped: round step - 1 is not applied yet
+        stats, row_grads, enc = await self.work(self._compute, batch, want, rows, step, role.reducer,
+                                                self.pacing.plan_next(step) if send else None, role.ranks, ahead)
+        clock.mark("compute")
+        self.check_finite(stats, step)
+        last = self.is_last_round(step)
+        if last:  # the last rows go out before the last payload (_settle_rows relies on it)
+            await role.push(row_grads, missing, step)
+        if enc is not None:
+            # the payload before the row pushes: the round waits for it, while row pushes only
+            # need to land within the owners' push window (on a slow link, bytes queued ahead
+            # of it delay everyone)
+            self.send_payload(enc)
+            self.pacing.publish()
+        self.sent_through = step
+        if role.prefetch and self.cfg.prefetch and not last:
+            # the next step's rows travel while this step's round completes; they may miss
+            # this step's own row update (one step stale), which is the price of the overlap
+            prefetched = asyncio.ensure_future(self._fetch_batch(role))
+            await role.prefetch_started(prefetched)
+        if not last:
+            await role.push(row_grads, missing, step)
+        self.record_contribution(stats, enc)
+        clock.mark("send")
+        return prefetched, stats.loss if stats.finite else float("nan")
+
     def _compute(self, batch, want, rows, step: int, reducer: Callable[[torch.Tensor], None] | None,
-                 send_next: int | None, ranks: int = 1) -> tuple[StepStats, dict, Encoded | None]:
+                 send_next: int | None, ranks: int = 1, ahead: bool = False) -> tuple[StepStats, dict, Encoded | None]:
         """Forward/backward, the role's reduction of the dense gradient (a host group's all_reduce),
         its gradient summed since our last payload, and (``send_next``: the round we declare next)
         round ``step``'s payload of that sum: one trip to the training thread."""
         t0 = time.perf_counter()
-        stats, flat, row_grads = self.replica.compute(batch, want, rows)
+        stats, flat, row_grads = self.replica.compute(batch, want, rows, ahead)
         self.slow_down(t0, batch, want, rows)
         self.pacing.computed(time.perf_counter() - t0)
         if reducer is not None:
@@ -777,6 +798,12 @@ class Peer:
         return batch, want, rows, missing
 
     # -- what a role may use of the peer (group/runner.py) ------------------------------------------
+    @property
+    def overlap(self) -> bool:
+        """--overlap (a swarm setting, agreed at join): round t travels while step or window t + 1
+        computes. A host group's ranks step in lockstep with their leader's rounds: no overlap."""
+        return self.cfg.overlaps and self.group_env is None
+
     @property
     def stopping(self) -> bool:
         """stop() was called (or the peer is closing): the loop ends after the current step."""

@@ -19,6 +19,7 @@ event loop, one call at a time: there is no locking because there is no concurre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -194,6 +195,10 @@ class Replica:
         self.anchor: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
         self.pending_window = -1
+        # overlapped per-step rounds (predict_ahead): the parameters' change in the last round
+        # applied, by which a step computed one round ahead extrapolates them (compute(ahead=True))
+        self.predict_ahead = False
+        self.last_change: list[torch.Tensor] | None = None
         self.optimizer_desc = self._describe_optimizer()
         self.fingerprint = self._fingerprint()
 
@@ -299,14 +304,19 @@ class Replica:
             raise TaskTypeError(f"the task's loss() returned a {loss.dtype} tensor: it must be floating point")
         return loss.reshape(())
 
-    def compute(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]
+    def compute(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor], ahead: bool = False
                 ) -> tuple[StepStats, torch.Tensor, dict[str, tuple[np.ndarray, torch.Tensor]]]:
         """Forward and backward on ``batch`` with the pulled table ``rows`` (fp32, in ``want`` order).
 
         Returns the stats, the flat fp32 vector (parameter gradients, then the buffers' change) and
         the gradient of every pulled row: {table: (ids, grads [len(ids), d])}. A non-finite loss
-        gives a zero vector and no row gradients (the step is skipped and counted)."""
-        loss, finite, leaves, before = self._forward_backward(batch, want, rows)
+        gives a zero vector and no row gradients (the step is skipped and counted).
+
+        ``ahead`` (overlapped rounds): the gradient will be applied one round after the next one,
+        so it is taken at the parameters extrapolated by the last round's change, a guess of where
+        the next round puts them (weight prediction, docs/design.md); the replica itself is untouched."""
+        with self._predicted(ahead):
+            loss, finite, leaves, before = self._forward_backward(batch, want, rows)
         flat = torch.zeros(self.manifest.numel, dtype=torch.float32)
         row_grads: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
         with torch.no_grad():
@@ -332,6 +342,24 @@ class Replica:
         stats = StepStats(loss=float(loss.detach()), samples=samples_of(batch), grad_norm=float(flat.norm()),
                           finite=finite)
         return stats, flat, row_grads
+
+    @contextlib.contextmanager
+    def _predicted(self, ahead: bool):
+        """The parameters as the last round's change extrapolates them, for the duration (the
+        replica's own tensors are put back exactly, not recomputed)."""
+        change = self.last_change if ahead and self.predict_ahead else None
+        if change is None:
+            yield
+            return
+        held = [p.data for p in self.params]
+        with torch.no_grad():
+            for p, d in zip(self.params, change):
+                p.data = p.data + d
+        try:
+            yield
+        finally:
+            for p, h in zip(self.params, held):
+                p.data = h
 
     def rehearse(self, batch: Any, want: dict[str, np.ndarray], rows: dict[str, torch.Tensor]) -> None:
         """Forward and backward on ``batch`` again with everything discarded: gradients, buffer
@@ -415,7 +443,10 @@ class Replica:
         views = self.manifest.unflatten(vec)
         for name, p in zip(self.names, self.params):
             p.grad = views[name].to(self.device, p.dtype)
+        was = [p.detach().clone() for p in self.params] if self.predict_ahead else None
         self.opt.step()
+        if was is not None:
+            self.last_change = [p.detach() - w for p, w in zip(self.params, was)]
         if self.sched is not None:
             self.sched.step()
         for p in self.params:
@@ -601,6 +632,7 @@ class Replica:
             self.outer.load_state_dict({"momentum": tensors["w.momentum"]})
             self.anchor = self.pending = None
             self._write_local(self.global_flat)
+        self.last_change = None  # a change from before the snapshot predicts nothing
         self.step = step
         return step
 

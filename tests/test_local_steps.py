@@ -224,7 +224,7 @@ def test_local_step_settings_are_swarm_wide_and_checked():
     old = {k: v for k, v in settings.of(PeerConfig()).items()
            if k not in ("sync_every", "outer_lr", "outer_momentum", "outer_nesterov", "overlap", "ef_decay")}
     assert settings.parse(old)["sync_every"] == 1
-    for bad, needle in [(dict(sync_every=8, steps=60), "multiple"), (dict(overlap=1), "--overlap"),
+    for bad, needle in [(dict(sync_every=8, steps=60), "multiple"), (dict(overlap=2), "--overlap"),
                         (dict(sync_every=4, outer_nesterov=1), "--outer-nesterov"), (dict(ef_decay=1.5), "--ef-decay"),
                         (dict(sync_every=0), "--sync-every")]:
         with pytest.raises(ConfigError, match=needle):

@@ -106,7 +106,7 @@ def status(peer: "Peer") -> dict:
         "step": peer.book.step,  # rounds (with local steps: windows)
         "inner_step": peer.position(),
         "sync_every": peer.window,
-        "overlap": bool(peer.cfg.overlap),
+        "overlap": peer.overlap,  # a host group's ranks do not overlap
         "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,
         "state": peer.lifecycle.state.value,  # core/lifecycle.py State
