@@ -680,14 +680,13 @@ class Peer:
                     prefetched = await _cancelled(prefetched)
                     await self.free_step(role, step)  # slower than the swarm: do not hold its rounds up
                     continue
-                loss, computed = float("nan"), self.sent_through < step
-                if computed:  # not computed yet (always, without --overlap)
+                clock.start()  # one entry per round: with --overlap the first holds two computes, the last none
+                loss = float("nan")
+                if self.sent_through < step:  # not computed yet (always, without --overlap)
                     prefetched, loss = await self.one_step(role, step, prefetched)
                 if self.overlap and not self.is_last_round(step) and not self.stopping:
                     # --overlap: step + 1 computes (on the model without round ``step``) while round
                     # ``step``'s payloads travel; the round is taken after it (docs/design.md)
-                    if computed:
-                        clock.end()
                     prefetched, loss = await self.one_step(role, step + 1, prefetched)
                 await role.round(step)  # marks "round" and "apply"
                 await self.after_step(step, loss if loss == loss else self.recent_loss())
@@ -704,8 +703,7 @@ class Peer:
         forward/backward, its payload when the round is ours, the next step's rows started, its row
         gradients pushed. Returns the next step's prefetch and this step's loss; the round is the
         caller's (Peer.steps: this round, or with --overlap the one before)."""
-        clock = self.step_times
-        clock.start()
+        clock = self.step_times  # started by the caller
         batch, want, rows, missing = await (prefetched if prefetched is not None else self._fetch_batch(role))
         prefetched = None
         clock.mark("rows")

@@ -49,6 +49,7 @@ async def test_three_peers_overlapped_keep_identical_replicas_and_compute_one_ro
             await p.close()
     for r, s in zip(results, seen):
         assert r["steps"] == 20 and r["steps_contributed"] == 20 and r["rounds_timed_out"] == 0
+        assert r["step_phases"]["steps"] == 20  # one entry per round
         assert r["final_loss"] < r["first_loss"]
         # step i computes on the model after round i - 1 (no overlap) or i - 2 (overlap)
         assert len(s) == 20 and all(taken == max(0, i - overlap) for taken, i in s), s
