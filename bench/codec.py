@@ -93,7 +93,7 @@ def bench_case(n: int, ratio: float, repeats: int) -> dict:
     d_naive, _ = timed(lambda: naive_decompress(nblob, n), repeats)
     k = enc.k
     bound_bytes = (subset_bound_bits(n, k) + 8 * k) / 8
-    del dense, g
+    del dense
     return {
         "n": n, "ratio": ratio, "k": k, "wire": enc.wire_bytes, "naive_wire": len(nblob),
         "x_dense": 4 * n / enc.wire_bytes, "x_dense_naive": 4 * n / len(nblob),

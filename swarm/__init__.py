@@ -7,12 +7,14 @@ The public API (README.md, "Bring your own model"; docs/task.md):
     PeerConfig           every setting of a peer (the CLI's flags)
     Peer                 one peer: ``async with Peer(task, config) as peer: summary = await peer.run()``
     train(task, **kw)    run one peer to the end and return its summary (the CLI's last JSON line)
+    optim                torch's Adam and AdamW without torch._dynamo (a task's optimizer may be one)
 """
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from . import optim
 from .config import ConfigError, PeerConfig
 from .tables.embedding import ShardedEmbedding
 from .task import Shard, Task, TaskError, UserCodeError, load_task
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from .node import Peer
 
 __all__ = ["Task", "Shard", "ShardedEmbedding", "PeerConfig", "Peer", "train", "load_task", "TaskError",
-           "UserCodeError", "ConfigError"]
+           "UserCodeError", "ConfigError", "optim"]
 
 
 def __getattr__(name: str) -> Any:

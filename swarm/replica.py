@@ -32,7 +32,7 @@ import torch.nn as nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from . import statedict
+from . import optim, statedict
 from .codec import Manifest
 from .codec.manifest import ManifestEntry
 from .outer import OuterConfig, OuterOptimizer
@@ -167,7 +167,7 @@ class Replica:
         self.manifest = Manifest(tuple(entries))
 
         self.opt = call_user("optimizer()", task.optimizer, self.params) if task.optimizer is not None \
-            else torch.optim.AdamW(self.params, lr=1e-3)
+            else optim.AdamW(self.params, lr=1e-3)
         if not isinstance(self.opt, torch.optim.Optimizer):
             raise TaskTypeError(f"the task's optimizer() returned a {type(self.opt).__name__}, not a "
                                 "torch.optim.Optimizer")

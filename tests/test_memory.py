@@ -1,6 +1,9 @@
-"""Memory per peer: one malloc arena for a peer's threads (swarm/allocator.py limit_arenas)."""
+"""Memory per peer: one malloc arena for a peer's threads (swarm/allocator.py limit_arenas), and no
+torch._dynamo in a peer's process (swarm/optim.py)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import platform
 import subprocess
@@ -62,3 +65,26 @@ def test_malloc_arena_max_in_the_environment_wins(monkeypatch):
 def test_without_mallopt_nothing_is_changed(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     assert limit_arenas(1, "libdoes-not-exist.so.9") is False
+
+
+@pytest.mark.timeout(300)
+async def test_peers_on_the_default_task_never_import_torch_dynamo(spawn, tmp_path):
+    """torch.optim's optimizers import torch._dynamo and sympy (~73 MB a process) the first time one
+    is built or stepped; the built-in task's swarm.optim.Adam does not: not when two peers train,
+    nor when one writes a checkpoint (the optimizer's state_dict, as a joiner downloads it) and
+    resumes from it (load_state_dict, as a joiner loads it)."""
+    launcher = [sys.executable, str(ROOT / "tests" / "modules_at_exit.py")]
+    ck = str(tmp_path / "ck")
+    a = spawn("--steps", "12", "--min-peers", "2", "--checkpoint", ck, "--checkpoint-every", "4", launcher=launcher)
+    port = await a.port()
+    b = spawn("--steps", "12", "--min-peers", "2", "--join", f"127.0.0.1:{port}", launcher=launcher)
+    (code_a, sum_a), (code_b, sum_b) = await asyncio.gather(a.finish(), b.finish())
+    assert code_a == 0 and code_b == 0, (a.stderr_tail(), b.stderr_tail())
+    assert sum_a["param_sketch"] == sum_b["param_sketch"]
+    resumed = spawn("--steps", "15", "--checkpoint", ck, launcher=launcher)
+    code_r, sum_r = await resumed.finish()
+    assert code_r == 0 and sum_r["steps"] == 15 and sum_r["steps_contributed"] == 3, resumed.stderr_tail()
+    for p in (a, b, resumed):
+        line = [ln for ln in p.stderr_tail().splitlines() if ln.startswith("modules at exit: ")][-1]
+        assert json.loads(line.removeprefix("modules at exit: ")) == {
+            "torch._dynamo": False, "torch._inductor": False, "sympy": False}

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ... import optim
 from ...task import Shard, Task
 from .corpus import BatchSampler, load_corpus, val_batches
 from .model import TABLES, ModelConfig, SwarmLM, table_ids
@@ -72,7 +73,7 @@ def task(d_model: int = 128, layers: int = 2, heads: int = 4, context: int = 128
         loss=lambda m, batch: m.loss(batch),
         eval_batches=lambda: val_batches(corpus, batch_size, context, max_batches=eval_batches, prefix=cfg.prefix),
         tables={name: ids(name) for name in TABLES},
-        optimizer=lambda params: torch.optim.Adam(params, lr=lr, betas=(0.9, 0.95), eps=1e-8),
+        optimizer=lambda params: optim.Adam(params, lr=lr, betas=(0.9, 0.95), eps=1e-8),
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, lr, steps) / lr),
         table_lr=3e-2,
         data_id=f"{corpus.name}:{corpus.hash}",
