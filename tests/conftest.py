@@ -77,6 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_at(port: int) -> tuple[str, ...]:
+    """The flags of a `python peer.py` joining the peer that will listen on ``port``: started
+    together with it (their start-ups overlap), it retries the join until that peer listens."""
+    return ("--join", f"127.0.0.1:{port}", "--join-timeout", "60")
+
+
 def rel_l2(a, b) -> float:
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return float((a - b).norm() / max(a.norm(), b.norm(), 1e-12))

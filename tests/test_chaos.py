@@ -11,6 +11,7 @@ import time
 import aiohttp
 import pytest
 
+from .conftest import free_port, join_at
 from .test_peer_cli import until_settled
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,14 +36,25 @@ async def until_step(port: int, step: int, timeout: float = 90.0) -> int:
     raise AssertionError(f"peer on port {port} did not reach step {step}")
 
 
+async def until_dead(port: int, peer_id: str, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = await status(port)
+        if st and any(m["peer_id"] == peer_id and m["state"] == "dead" for m in st["members"]):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"peer {peer_id} was not declared dead")
+
+
 async def test_chaos_one_peer_at_a_time(spawn, tmp_path):
     rng = random.Random(7)
     common = ["--replicas", "2", "--min-peers", "4", "--round-timeout", "5"]
-    procs = {0: spawn(*common)}
-    ports = {0: await procs[0].port()}
+    ports = {0: free_port()}  # all four start at once: the joiners retry until the first one listens
+    procs = {0: spawn(*common, "--port", str(ports[0]))}
     for i in (1, 2, 3):
-        procs[i] = spawn(*common, "--join", f"127.0.0.1:{ports[0]}", "--checkpoint", str(tmp_path / f"ck{i}"),
+        procs[i] = spawn(*common, *join_at(ports[0]), "--checkpoint", str(tmp_path / f"ck{i}"),
                          "--checkpoint-every", "2")
+    for i in (1, 2, 3):
         ports[i] = await procs[i].port()
     await until_step(ports[0], 5)
     await until_settled(list(ports.values()))
@@ -53,9 +65,12 @@ async def test_chaos_one_peer_at_a_time(spawn, tmp_path):
         victim = rng.choice(sorted(alive - {0}))
         step = (await status(ports[0]))["step"]
         if event == "stop":
+            victim_id = (await procs[victim].read_until(r"as peer ([0-9a-f]{32})")).group(1)
             procs[victim].kill(signal.SIGSTOP)
-            await asyncio.sleep(6)  # long enough to be suspected and declared dead
-            procs[victim].kill(signal.SIGCONT)
+            try:  # until it is suspected and declared dead
+                await until_dead(ports[0], victim_id)
+            finally:
+                procs[victim].kill(signal.SIGCONT)
         else:
             procs[victim].kill(signal.SIGKILL)
             procs[victim].proc.wait(10)

@@ -8,6 +8,8 @@ import importlib.util
 
 import pytest
 
+from .conftest import free_port, join_at
+
 pytestmark = pytest.mark.timeout(300)
 
 EXAMPLES = [
@@ -22,10 +24,9 @@ async def test_example_trains_with_two_peers(spawn, name, flags, needs):
     if needs and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{needs} is not installed (pip install -e '.[examples]')")
     task = ("--task", f"examples/{name}.py:task")
-    first = spawn(*task, *flags, "--min-peers", "2", small=False, env={"OMP_NUM_THREADS": "1"})
-    port = await first.port()
-    second = spawn(*task, *flags, "--min-peers", "2", "--join", f"127.0.0.1:{port}", small=False,
-                   env={"OMP_NUM_THREADS": "1"})
+    port = free_port()  # both start at once: the second retries its join until the first listens
+    first = spawn(*task, *flags, "--min-peers", "2", "--port", str(port), small=False, env={"OMP_NUM_THREADS": "1"})
+    second = spawn(*task, *flags, "--min-peers", "2", *join_at(port), small=False, env={"OMP_NUM_THREADS": "1"})
     c2, s2 = await second.finish(240)
     c1, s1 = await first.finish(120)
     assert c1 == 0 and c2 == 0, (first.stderr_tail(), second.stderr_tail())

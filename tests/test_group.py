@@ -18,7 +18,8 @@ from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
 from swarm.group.rows import KEY_BITS, Exchange, GroupRows, pack_keys, unpack_keys
 from swarm.tables import OwnershipMap, TableSpec
 
-from .conftest import ROOT, free_port, json_summaries
+from .conftest import ROOT, free_port, join_at, json_summaries
+from .test_peer_cli import run_clis
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,12 +65,11 @@ def test_backend_and_device_choice():
 
 
 def test_bad_group_flags_are_one_line_errors():
-    for flags, env, needle in ((["--backend", "mpi"], {}, "--backend must be"),
-                               (["--device", "tpu"], {}, "--device must be"),
-                               ([], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "one host")):
-        r = subprocess.run([sys.executable, str(ROOT / "peer.py"), *flags], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60, env={**os.environ, **env})
+    cases = ((["--backend", "mpi"], {}, "--backend must be"),
+             (["--device", "tpu"], {}, "--device must be"),
+             ([], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "one host"))
+    for (flags, env, needle), r in zip(cases, run_clis(*((flags, env) for flags, env, _ in cases))):
         assert r.returncode == 2, r.stderr
         assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -169,9 +169,9 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     port = free_port()  # rank r listens on port + r
     group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
                   env={"OMP_NUM_THREADS": "1"})
-    await group.port()
-    # through rank 1, which is not the group's gossiping rank: any member is a way in
-    plain = spawn(*common, "--device", "cpu", "--join", f"127.0.0.1:{port + 1}", "--join-timeout", "60")
+    # through rank 1, which is not the group's gossiping rank: any member is a way in (started with
+    # the group, it retries until rank 1 listens)
+    plain = spawn(*common, "--device", "cpu", *join_at(port + 1))
     cp, sp = await plain.finish(240)
     assert cp == 0, plain.stderr_tail()
     cg, _ = await group.finish(120)
@@ -206,10 +206,10 @@ async def test_a_group_that_lost_rounds_resyncs_every_rank_and_ends_equal(spawn)
     does: every replica ends bit-identical."""
     steps = "50"
     common = ("--steps", steps, "--min-peers", "2", "--linger", "30", "--round-timeout", "2", "--sketch-every", "5")
-    plain = spawn(*common, "--device", "cpu")
-    plain_port = await plain.port()
-    group = spawn(*common, "--backend", BACKEND, "--device", DEVICE, "--join", f"127.0.0.1:{plain_port}",
-                  "--join-timeout", "60", launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+    plain_port = free_port()
+    plain = spawn(*common, "--device", "cpu", "--port", str(plain_port))
+    group = spawn(*common, "--backend", BACKEND, "--device", DEVICE, *join_at(plain_port),
+                  launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
     await plain.read_until(r"^step (1[0-9]|[2-9][0-9]) ", timeout=180)
     group.kill(signal.SIGSTOP)
     try:  # until the plain peer, alone, is more than RESYNC_LAG rounds ahead of the stopped group
@@ -262,11 +262,11 @@ async def test_killing_a_whole_host_group_loses_no_slot(spawn):
     hosts are members: SIGKILL the whole group mid-run and the two plain peers lose no slot."""
     steps = "40"
     common = ("--steps", steps, "--min-peers", "2", "--linger", "5")
-    a = spawn(*common)
-    port = await a.port()
-    group = spawn(*common, "--join", f"127.0.0.1:{port}", "--backend", BACKEND, "--device", DEVICE,
+    port = free_port()
+    a = spawn(*common, "--port", str(port))
+    group = spawn(*common, *join_at(port), "--backend", BACKEND, "--device", DEVICE,
                   launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
-    b = spawn(*common, "--join", f"127.0.0.1:{port}")
+    b = spawn(*common, *join_at(port))
     await a.read_until(r"^step (1[2-9]|[2-9]\d)\b", timeout=180)
     group.kill(signal.SIGKILL)  # torchrun and both ranks: the host is gone
     (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))
@@ -286,8 +286,7 @@ async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
     port = free_port()
     group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
                   env={"OMP_NUM_THREADS": "1"}, small=False)
-    await group.port()
-    plain = spawn(*common, "--device", "cpu", "--join", f"127.0.0.1:{port}", "--join-timeout", "60", small=False)
+    plain = spawn(*common, "--device", "cpu", *join_at(port), small=False)
     cp, sp = await plain.finish(240)
     assert cp == 0, plain.stderr_tail()
     cg, _ = await group.finish(120)
@@ -308,9 +307,7 @@ async def test_a_group_waiting_for_min_peers_joins_the_plain_peer_that_trains_in
     port = free_port()
     group = spawn("--steps", "20", "--min-peers", "3", "--linger", "30", "--port", str(port), "--backend", BACKEND,
                   "--device", DEVICE, launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
-    await group.port()
-    plain = spawn("--steps", "20", "--linger", "30", "--device", "cpu", "--join", f"127.0.0.1:{port}",
-                  "--join-timeout", "60")
+    plain = spawn("--steps", "20", "--linger", "30", "--device", "cpu", *join_at(port))
     cp, sp = await plain.finish(240)
     assert cp == 0, plain.stderr_tail()
     cg, _ = await group.finish(120)

@@ -21,7 +21,7 @@ from swarm.tables import RowOptConfig
 from swarm.tables.window import WindowRows
 from swarm.tasks import default_task
 
-from .conftest import small_cfg
+from .conftest import free_port, join_at, small_cfg
 from .test_peer_cli import run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -310,10 +310,10 @@ async def test_a_checkpoint_of_local_steps_resumes_at_its_window(tmp_path: Path)
 
 async def test_sigkill_of_a_peer_mid_window_the_others_finish_in_agreement(spawn):
     args = ["--steps", "48", "--sync-every", "4", "--overlap", "1", "--min-peers", "3", "--round-timeout", "10"]
-    a = spawn(*args)
-    port = await a.port()
-    b = spawn(*args, "--join", f"127.0.0.1:{port}")
-    victim = spawn(*args, "--join", f"127.0.0.1:{port}", "--progress-interval", "0")
+    port = free_port()  # all three start at once: the joiners retry until the first one listens
+    a = spawn(*args, "--port", str(port))
+    b = spawn(*args, *join_at(port))
+    victim = spawn(*args, *join_at(port), "--progress-interval", "0")
     await victim.read_until(r"^step (1[3-9]|2\d)\b", timeout=120)  # killed inside a window past step 12
     victim.kill(signal.SIGKILL)
     (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))

@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, rel_l2
+from .conftest import ROOT, free_port, join_at, rel_l2
 
 pytestmark = pytest.mark.timeout(240)
 
 
 async def test_three_processes_join_train_and_agree(spawn):
-    a = spawn("--steps", "25", "--min-peers", "3")
-    port = await a.port()
-    b = spawn("--steps", "25", "--min-peers", "3", "--join", f"127.0.0.1:{port}")
-    c = spawn("--steps", "25", "--min-peers", "3", "--join", f"127.0.0.1:{port}")
+    port = free_port()  # all three start at once: the joiners retry until the first one listens
+    a = spawn("--steps", "25", "--min-peers", "3", "--port", str(port))
+    b = spawn("--steps", "25", "--min-peers", "3", *join_at(port))
+    c = spawn("--steps", "25", "--min-peers", "3", *join_at(port))
     results = await asyncio.gather(a.finish(), b.finish(), c.finish())
     for code, summary in results:
         assert code == 0, summary
@@ -36,11 +36,11 @@ async def test_three_processes_join_train_and_agree(spawn):
 
 
 async def test_sigkill_of_one_peer_mid_run_the_others_finish(spawn):
-    steps = 60
-    a = spawn("--steps", str(steps), "--min-peers", "3")
-    port = await a.port()
-    b = spawn("--steps", str(steps), "--min-peers", "3", "--join", f"127.0.0.1:{port}")
-    victim = spawn("--steps", str(steps), "--min-peers", "3", "--join", f"127.0.0.1:{port}")
+    steps = 40  # killed past step 10: 30 or so rounds without it
+    port = free_port()
+    a = spawn("--steps", str(steps), "--min-peers", "3", "--port", str(port))
+    b = spawn("--steps", str(steps), "--min-peers", "3", *join_at(port))
+    victim = spawn("--steps", str(steps), "--min-peers", "3", *join_at(port))
     await victim.read_until(r"^step (1\d|[2-9]\d)\b", timeout=120)  # killed somewhere past step 10
     victim.kill(signal.SIGKILL)
     (ca, sa), (cb, sb) = await asyncio.gather(a.finish(180), b.finish(180))
@@ -79,9 +79,9 @@ async def test_four_peers_two_replicas_sigkill_loses_no_table_rows(spawn):
     over (no slot restarts from zeros), and training goes on."""
     steps = 40
     common = ["--steps", str(steps), "--min-peers", "4", "--replicas", "2"]
-    a = spawn(*common)
-    port = await a.port()
-    others = [spawn(*common, "--join", f"127.0.0.1:{port}") for _ in range(3)]
+    port = free_port()
+    a = spawn(*common, "--port", str(port))
+    others = [spawn(*common, *join_at(port)) for _ in range(3)]
     victim = others[-1]
     await victim.read_until(r"^step (1\d|[2-9]\d)\b", timeout=150)
     ports = [port] + [await p.port() for p in others]
@@ -112,7 +112,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subproc
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("args, needle", [
+def run_clis(*runs: tuple[tuple[str, ...], dict | None]) -> list[subprocess.CompletedProcess]:
+    """``run_cli(*args, env=env)`` for each (args, env), two at a time (the CPUs a test may use):
+    each is its own `python peer.py`, so the results are those of running them one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda run: run_cli(*run[0], env=run[1]), runs))
+
+
+BAD_FLAGS = [
     (["--ratio", "2"], "--ratio"),
     (["--batch-size", "0"], "--batch-size"),
     (["--compression", "zip"], "--compression"),
@@ -121,27 +130,43 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subproc
     (["--steps", "many"], "--steps"),
     (["--no-such-flag"], "unrecognized"),
     (["--data", "/no/such/path"], "--data"),
-])
-def test_bad_flags_give_one_line_and_exit_2(args, needle):
-    r = run_cli(*args)
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every refused command line of this module, run once (two at a time), by name: each test
+    below checks its own."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    blob = tmp_path_factory.mktemp("blob")
+    (blob / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    runs = {**{" ".join(args): (tuple(args), None) for args, _ in BAD_FLAGS},
+            "env": ((), {"SWARM_BATCH_SIZE": "lots"}),
+            "unreachable": (("--table-rows", "4096", "--join", f"127.0.0.1:{port}", "--join-timeout", "1"), None),
+            "no-text": (("--data", str(blob), "--table-rows", "4096"), None)}
+    return dict(zip(runs, run_clis(*runs.values())))
+
+
+@pytest.mark.parametrize("args, needle", BAD_FLAGS)
+def test_bad_flags_give_one_line_and_exit_2(refused, args, needle):
+    r = refused[" ".join(args)]
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_bad_environment_variable_is_a_clear_error():
-    r = run_cli(env={"SWARM_BATCH_SIZE": "lots"})
+def test_bad_environment_variable_is_a_clear_error(refused):
+    r = refused["env"]
     assert r.returncode == 2 and "SWARM_BATCH_SIZE" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_unreachable_join_gives_one_line_and_exit_2():
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = run_cli("--table-rows", "4096", "--join", f"127.0.0.1:{port}", "--join-timeout", "1")
+def test_unreachable_join_gives_one_line_and_exit_2(refused):
+    r = refused["unreachable"]
     assert r.returncode == 2
     err = [line for line in r.stderr.strip().splitlines() if line and not line.startswith("warning: no --secret")]
     assert len(err) == 1 and "cannot reach" in err[0] and "Traceback" not in r.stderr
@@ -156,7 +181,6 @@ def test_own_data_too_small_for_a_held_out_batch_still_finishes(tmp_path):
     assert summary["steps"] == 3 and summary["val_loss"] is None  # nothing held out to evaluate on
 
 
-def test_data_without_usable_text_is_a_clear_error(tmp_path):
-    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
-    r = run_cli("--data", str(tmp_path), "--table-rows", "4096")
+def test_data_without_usable_text_is_a_clear_error(refused):
+    r = refused["no-text"]
     assert r.returncode == 2 and "no usable text" in r.stderr and "Traceback" not in r.stderr

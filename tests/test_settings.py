@@ -98,7 +98,9 @@ async def test_a_joiner_giving_none_adopts_the_swarms_settings_and_learning_rate
     first = await _start(seed=3, aggregation="mean", lr=0.002, table_lr=0.05, steps=14)
     second = None
     try:
-        second = await _start(join=f"127.0.0.1:{first.port}", steps=8)  # leaves at 8: its own business
+        # leaves at 8: its own business (at once: lingering, it would still be waited for in the
+        # first's next rounds, each until the round timeout; linger is not a swarm-wide setting)
+        second = await _start(join=f"127.0.0.1:{first.port}", steps=8, linger=0.0)
         assert (second.cfg.seed, second.cfg.aggregation, second.cfg.lr, second.cfg.table_lr, second.cfg.budget) == \
                (3, "mean", 0.002, 0.05, 14)
         assert second.settings == first.settings

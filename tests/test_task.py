@@ -327,11 +327,23 @@ async def test_cli_task_errors_are_one_line_and_user_errors_show_their_traceback
         (("--task-arg", "d_model=100", "--task-arg", "heads=3"), 2, "not divisible"),
         (("--task", f"{boom}:task"), 1, "KeyError"),
     ]
-    for args, code, needle in cases:
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(ROOT / "peer.py"), *args, "--steps", "2",
-                                                    cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    two = asyncio.Semaphore(2)  # two at a time (the CPUs a test may use); each its own `python peer.py`
+
+    async def run(args):
+        async with two:
+            proc = await asyncio.create_subprocess_exec(sys.executable, str(ROOT / "peer.py"), *args, "--steps", "2",
+                                                        cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE)
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 120)
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            return proc, out, err
+
+    ran = await asyncio.gather(*(run(args) for args, _, _ in cases))
+    for (args, code, needle), (proc, out, err) in zip(cases, ran):
         text = err.decode()
         assert proc.returncode == code, (args, text[-500:])
         assert needle in text, (args, text[-500:])
