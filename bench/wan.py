@@ -33,10 +33,9 @@ On the same model (--model: SwarmLM at a preset size), data (stdlib corpus), see
 and sample budget (--steps inner steps x --batch-size x N), one after another:
   floor          compute only: one `peer.py` alone, no network (also N of them at once, each alone,
                  which is the same CPU contention as the N-peer runs on this machine)
-  swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step, each
-                 round travelling while the next step computes (the default --overlap)
-  swarm-lockstep `peer.py` x N, the same with --overlap 0: each round taken before the next step
-                 (not in the default set: --only swarm --only swarm-lockstep measures the overlap)
+  swarm          `peer.py` x N, default codec (topk-int8, ratio 0.01), one round per step
+  swarm-overlap  `peer.py` x N, the same with --overlap 1: each round travels while the next step
+                 computes (not in the default set: --only swarm --only swarm-overlap measures it)
   swarm-dense    `peer.py` x N, --compression none (dense fp32 payloads every step; not in the default
                  set: about 12 minutes alone at 8mbit; --only swarm-dense)
   swarm-tls      `peer.py` x N, the default swarm with a --secret: TLS 1.3 on every link, a MAC on every
@@ -159,13 +158,13 @@ import delayline  # noqa: E402  (bench/delayline.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-lockstep", "swarm-dense", "swarm-tls", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse",
+METHODS = ("swarm", "swarm-overlap", "swarm-dense", "swarm-tls", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse",
            "ddp-dense", "torchft-diloco", "hivemind")
-# run without --only: all but swarm-lockstep (--overlap 0: the per-step swarm before overlapped
-# rounds, for their gain: --only swarm --only swarm-lockstep), swarm-dense (dense fp32 payloads
+# run without --only: all but swarm-overlap (--overlap 1: per-step rounds overlapped with the next
+# step, for what that does: --only swarm --only swarm-overlap), swarm-dense (dense fp32 payloads
 # every step: ~12 min alone at 8mbit) and swarm-tls (the default swarm with a secret, so TLS on every link: for its cost, --only swarm
 # --only swarm-tls)
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("swarm-lockstep", "swarm-dense", "swarm-tls"))
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("swarm-overlap", "swarm-dense", "swarm-tls"))
 TLS_SECRET = "swarm-wan-benchmark-secret-0123456789"  # any secret: a swarm with one runs TLS
 # synchronous baselines: their loss at step k does not depend on the link, so they run their budget
 # once (--sync-full-rate, default unshaped) and are only timed (--timing-steps) at each rate
@@ -471,8 +470,8 @@ def local_flags(settings: dict, sync_every: int) -> list[str]:
 
 
 SWARM_FLAGS = {
-    "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step, overlapped
-    "swarm-lockstep": ["--overlap", "0"],  # the same, each round taken before the next step computes
+    "swarm": [],  # the default codec (topk-int8, ratio 0.01), one round per step
+    "swarm-overlap": ["--overlap", "1"],  # the same, each round travelling while the next step computes
     "swarm-dense": ["--compression", "none"],
     "swarm-tls": ["--secret", TLS_SECRET],  # the default swarm, every link TLS 1.3 (docs/security.md)
     "swarm-h8": local_flags({**LOCAL_STEP, "overlap": True}, 8),  # short windows: the round overlapped
@@ -1258,7 +1257,7 @@ def _mean(xs: list[float]) -> float | None:
 # ----------------------------------------------------------------------------- report
 
 
-COLORS = {"swarm": "C0", "swarm-dense": "C1", "swarm-tls": "C9", "swarm-lockstep": "tab:cyan", "ddp-sparse": "C2",
+COLORS = {"swarm": "C0", "swarm-dense": "C1", "swarm-tls": "C9", "swarm-overlap": "tab:cyan", "ddp-sparse": "C2",
           "ddp-dense": "C3", "hivemind": "C4",
           "swarm-h8": "C5", "swarm-h32": "C6", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
 
@@ -1422,7 +1421,7 @@ def main() -> int:
     ap.add_argument("--only", action="append", choices=METHODS,
                     help=f"run only these methods (repeatable; default all but swarm-dense: {', '.join(DEFAULT_METHODS)})")
     ap.add_argument("--local-method", choices=[m for m in SWARM_FLAGS
-                                               if m not in ("swarm", "swarm-lockstep", "swarm-dense", "swarm-tls")],
+                                               if m not in ("swarm", "swarm-overlap", "swarm-dense", "swarm-tls")],
                     default="swarm-h32", help="the local-step configuration the last line's figures are about")
     ap.add_argument("--step-repeats", type=int, default=1,
                     help="(contended floor, local method) pairs per rate whose median step-time ratio is reported")

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--outer-nesterov", type=int, help="with --sync-every: 1 = Nesterov outer momentum (DiLoCo: --outer-lr 0.7 "
       "--outer-momentum 0.9 --outer-nesterov 1; default 0)")
     a("--overlap", type=int, help="1 = a round travels while the next step (with --sync-every: the next window) "
-      "computes, and its update lands one round later; 0: each round is taken before the next step (default: 1 for "
-      "per-step rounds, 0 with --sync-every)")
+      "computes, and its update lands one round later (per-step: with weight prediction); default 0: each round is "
+      "taken before the next step or window")
     a("--max-contributors", type=int, help="about this many peers send a payload per round: with more contributing "
                                            "peers each sends every floor(peers / this) rounds the sum of its steps' "
                                            f"gradients, so a peer's bytes stop growing with the swarm; 0: every peer "

@@ -71,9 +71,7 @@ class PeerConfig:
     outer_lr: float = 1.0  # the outer step on the aggregated pseudo-gradient (1, no momentum: averaging)
     outer_momentum: float = 0.0
     outer_nesterov: int = 0  # 1 = Nesterov outer momentum (DiLoCo's recipe: lr 0.7, momentum 0.9)
-    # 1 = round t travels while step (or window) t+1 computes (a one-round-delayed update); -1: 1 for
-    # per-step rounds (weight prediction keeps its cost small), 0 with --sync-every (see `overlaps`)
-    overlap: int = -1
+    overlap: int = 0  # 1 = round t travels while step (or window) t+1 computes (a one-round-delayed update)
     # a round's contributors, at most about this many: with more contributing peers each sends a
     # payload every floor(P / C) rounds, summing its steps between them (0: every peer, every round)
     max_contributors: int = 4
@@ -124,12 +122,6 @@ class PeerConfig:
     # caller's non-default values count as given too
     given: frozenset = field(default_factory=frozenset, repr=False)
 
-    @property
-    def overlaps(self) -> bool:
-        """Rounds overlap the next step or window: --overlap, or by default per-step rounds only
-        (docs/design.md, "Overlapped rounds"; with --sync-every the delay costs more than it hides)."""
-        return self.overlap == 1 or (self.overlap == -1 and self.sync_every == 1)
-
     def is_given(self, name: str) -> bool:
         return name in self.given or getattr(self, name) != getattr(_DEFAULTS, name)
 
@@ -169,7 +161,7 @@ class PeerConfig:
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         need(self.outer_nesterov in (0, 1), f"--outer-nesterov must be 0 or 1, got {self.outer_nesterov}")
         need(not self.outer_nesterov or self.outer_momentum > 0, "--outer-nesterov needs an --outer-momentum > 0")
-        need(self.overlap in (-1, 0, 1), f"--overlap must be 0 or 1 (-1: the default for the mode), got {self.overlap}")
+        need(self.overlap in (0, 1), f"--overlap must be 0 or 1, got {self.overlap}")
         need(0 <= self.max_contributors <= 4096, f"--max-contributors must be in 0..4096, got {self.max_contributors}")
         need(0 < self.row_ratio <= 1, f"--row-ratio must be in (0, 1], got {self.row_ratio}")
         need(self.row_ratio == 1 or self.sync_every > 1, "--row-ratio needs --sync-every > 1 (it selects window deltas)")

@@ -31,7 +31,7 @@ class LocalSteps:
     def __init__(self, peer: "Peer"):
         self.peer = peer
         self.h = peer.cfg.sync_every
-        self.overlap = peer.cfg.overlaps
+        self.overlap = bool(peer.cfg.overlap)
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next

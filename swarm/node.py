@@ -472,6 +472,10 @@ class Peer:
             if self.cfg.checkpoint and self.replica.step > 0:
                 await self.save_checkpoint()
             if self.cfg.steps and not self._stop.is_set():
+                if self.group is None and self.active:
+                    # our last round is taken: the swarm's later rounds (a joiner that leaves before
+                    # the others) must not wait for us while we linger
+                    self.stop_contributing(last=max(self.book.step - 1, self.sent_through))
                 await self._linger()
         finally:
             await self.leave()
@@ -800,7 +804,7 @@ class Peer:
     def overlap(self) -> bool:
         """--overlap (a swarm setting, agreed at join): round t travels while step or window t + 1
         computes. A host group's ranks step in lockstep with their leader's rounds: no overlap."""
-        return self.cfg.overlaps and self.group_env is None
+        return bool(self.cfg.overlap) and self.group_env is None
 
     @property
     def stopping(self) -> bool:

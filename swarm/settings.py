@@ -41,7 +41,6 @@ ADDED_LATER: dict[str, Any] = {"chunk": 0, "ef_decay": 1.0, "sync_every": 1, "ou
 def of(cfg: PeerConfig) -> dict[str, Any]:
     """The swarm settings ``cfg`` stands for (budget: --budget, else --steps)."""
     out = {name: getattr(cfg, name) for name in SWARM_WIDE}
-    out["overlap"] = int(cfg.overlaps)  # the mode's default (-1) resolved: the swarm agrees on what runs
     if not cfg.budget:
         out["budget"] = cfg.steps
     return out

@@ -1,5 +1,6 @@
-"""Per-step rounds with --overlap 1: step t + 1 computes while round t travels (docs/design.md,
-"Overlapped rounds"). Every peer still applies the same rounds in the same order."""
+"""Per-step rounds with --overlap 1: step t + 1 computes while round t travels, its gradient taken
+at extrapolated parameters (docs/design.md, "Overlapped rounds"). Every peer still applies the
+same rounds in the same order."""
 
 from __future__ import annotations
 
@@ -101,15 +102,10 @@ def test_a_step_computed_ahead_takes_its_gradient_at_the_extrapolated_parameters
     assert torch.equal(fresh.compute(batch, want, rows, True)[1], fresh.compute(batch, want, rows)[1])
 
 
-def test_the_overlap_default_is_per_mode_and_the_swarm_agrees_on_what_runs():
-    assert PeerConfig().overlaps and settings.of(PeerConfig())["overlap"] == 1
-    windows = PeerConfig(sync_every=4, steps=64)
-    assert not windows.overlaps and settings.of(windows)["overlap"] == 0
-    assert PeerConfig(sync_every=4, steps=64, overlap=1).overlaps and not PeerConfig(overlap=0).overlaps
-    # a joiner that leaves --overlap out adopts the swarm's resolved value; one that gives the same
-    # value as the swarm runs is not refused
+def test_overlap_is_a_swarm_setting_off_by_default_and_allowed_per_step():
+    assert PeerConfig().overlap == 0 and settings.of(PeerConfig())["overlap"] == 0
+    PeerConfig(overlap=1).validate()  # per-step rounds may overlap too, not only windows
     joiner = PeerConfig()
-    settings.adopt(joiner, settings.of(PeerConfig(overlap=0)))
-    assert not joiner.overlaps
-    assert settings.conflict(settings.of(PeerConfig()), settings.given(PeerConfig(overlap=1))) is None
-    assert "--overlap" in settings.conflict(settings.of(PeerConfig()), settings.given(PeerConfig(overlap=0)))
+    settings.adopt(joiner, settings.of(PeerConfig(overlap=1)))
+    assert joiner.overlap == 1  # a joiner that leaves it out adopts the swarm's
+    assert "--overlap" in settings.conflict(settings.of(PeerConfig()), settings.given(PeerConfig(overlap=1)))

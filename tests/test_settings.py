@@ -98,9 +98,9 @@ async def test_a_joiner_giving_none_adopts_the_swarms_settings_and_learning_rate
     first = await _start(seed=3, aggregation="mean", lr=0.002, table_lr=0.05, steps=14)
     second = None
     try:
-        # leaves at 8: its own business (at once: lingering, it would still be waited for in the
-        # first's next rounds, each until the round timeout; linger is not a swarm-wide setting)
-        second = await _start(join=f"127.0.0.1:{first.port}", steps=8, linger=0.0)
+        # leaves at 8: its own business; while it lingers (serving rows) the first's later rounds
+        # must not wait for it
+        second = await _start(join=f"127.0.0.1:{first.port}", steps=8)
         assert (second.cfg.seed, second.cfg.aggregation, second.cfg.lr, second.cfg.table_lr, second.cfg.budget) == \
                (3, "mean", 0.002, 0.05, 14)
         assert second.settings == first.settings
@@ -115,6 +115,7 @@ async def test_a_joiner_giving_none_adopts_the_swarms_settings_and_learning_rate
     common = sorted(set(lr1) & set(lr2))
     assert len(common) >= 6 and all(lr1[k] == lr2[k] for k in common)  # the schedule of the swarm's budget
     assert s2["settings"] == s1["settings"] and s1["settings"]["budget"] == 14
+    assert s1["rounds_timed_out"] == 0  # the finished joiner said its last round: nothing waited for it
 
 
 async def test_the_same_steps_end_with_the_same_replica_after_adopting():
