@@ -685,7 +685,7 @@ class Peer:
                     await self.free_step(role, step)  # slower than the swarm: do not hold its rounds up
                     continue
                 clock.start()  # one entry per round: with --overlap the first holds two computes, the last none
-                loss = float("nan")
+                loss: float | None = None  # of the step computed last (none: the last round of an overlap)
                 if self.sent_through < step:  # not computed yet (always, without --overlap)
                     prefetched, loss = await self.one_step(role, step, prefetched)
                 if self.overlap and not self.is_last_round(step) and not self.stopping:
@@ -693,7 +693,7 @@ class Peer:
                     # ``step``'s payloads travel; the round is taken after it (docs/design.md)
                     prefetched, loss = await self.one_step(role, step + 1, prefetched)
                 await role.round(step)  # marks "round" and "apply"
-                await self.after_step(step, loss if loss == loss else self.recent_loss())
+                await self.after_step(step, loss if loss is not None else self.recent_loss())
                 clock.mark("after")
                 clock.end()
         finally:
@@ -736,7 +736,7 @@ class Peer:
             await role.push(row_grads, missing, step)
         self.record_contribution(stats, enc)
         clock.mark("send")
-        return prefetched, stats.loss if stats.finite else float("nan")
+        return prefetched, stats.loss
 
     def _compute(self, batch, want, rows, step: int, reducer: Callable[[torch.Tensor], None] | None,
                  send_next: int | None, ranks: int = 1, ahead: bool = False) -> tuple[StepStats, dict, Encoded | None]:

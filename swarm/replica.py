@@ -446,7 +446,9 @@ class Replica:
         was = [p.detach().clone() for p in self.params] if self.predict_ahead else None
         self.opt.step()
         if was is not None:
-            self.last_change = [p.detach() - w for p, w in zip(self.params, was)]
+            for w, p in zip(was, self.params):
+                torch.sub(p.detach(), w, out=w)  # the copy becomes the change
+            self.last_change = was
         if self.sched is not None:
             self.sched.step()
         for p in self.params:

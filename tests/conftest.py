@@ -37,6 +37,16 @@ def small_cfg(**kw) -> PeerConfig:
     return PeerConfig(**{**SMALL, **kw})
 
 
+def small_replica():
+    """A replica of the built-in task at small_cfg(), on the whole corpus (shard 0 of 1)."""
+    from swarm.replica import Replica
+    from swarm.tasks import default_task
+
+    r = Replica(default_task(small_cfg()), seed=0)
+    r.set_shard(0, 1, 0)
+    return r
+
+
 async def start_peers(n: int, **kw) -> list[Peer]:
     """``n`` in-process peers of ``small_cfg(**kw)`` on ephemeral ports, the others joining the first."""
     first = Peer(small_cfg(**kw), out=lambda line: None)

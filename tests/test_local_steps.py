@@ -19,9 +19,8 @@ from swarm.outer import OuterConfig, OuterOptimizer
 from swarm.replica import Replica, StateError
 from swarm.tables import RowOptConfig
 from swarm.tables.window import WindowRows
-from swarm.tasks import default_task
 
-from .conftest import free_port, join_at, small_cfg
+from .conftest import free_port, join_at, small_cfg, small_replica
 from .test_peer_cli import run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,13 +68,6 @@ def test_outer_config_and_momentum_state_are_checked():
 
 
 # -- the replica's windows -------------------------------------------------------------------------
-def _replica() -> Replica:
-    cfg = small_cfg()
-    r = Replica(default_task(cfg), seed=0)
-    r.set_shard(0, 1, 0)
-    return r
-
-
 def _inner(r: Replica, steps: int) -> None:
     for _ in range(steps):
         batch, want = r.sample()
@@ -85,7 +77,7 @@ def _inner(r: Replica, steps: int) -> None:
 
 
 def test_a_window_moves_the_local_model_only_and_the_outer_step_brings_it_back():
-    r = _replica()
+    r = small_replica()
     r.use_local_steps(OuterConfig())
     start = r.global_flat.clone()
     _inner(r, 3)
@@ -101,7 +93,7 @@ def test_a_window_moves_the_local_model_only_and_the_outer_step_brings_it_back()
 
 
 def test_overlapped_windows_keep_our_unaggregated_progress_and_never_count_it_twice():
-    r = _replica()
+    r = small_replica()
     r.use_local_steps(OuterConfig())
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in r.params])  # noqa: E731
     n = flat().numel()
@@ -125,19 +117,19 @@ def test_overlapped_windows_keep_our_unaggregated_progress_and_never_count_it_tw
 
 
 def test_state_blob_of_local_steps_carries_the_global_vector_and_is_refused_elsewhere():
-    a = _replica()
+    a = small_replica()
     a.use_local_steps(OuterConfig(0.7, 0.9, True))
     _inner(a, 2)
     a.apply_aggregate(a.end_window(), step=0, count=1)
     _inner(a, 2)  # mid-window: the blob still holds the global model, not this peer's local one
     blob = a.state_blob()
-    b = _replica()
+    b = small_replica()
     b.use_local_steps(OuterConfig(0.7, 0.9, True))
     assert b.load_state_blob(blob) == 1
     assert torch.equal(b.global_flat, a.global_flat)
     assert torch.equal(b.outer.momentum, a.outer.momentum) and a.outer.momentum.abs().sum() > 0
     assert b.sketch() == a.sketch()
-    plain = _replica()
+    plain = small_replica()
     with pytest.raises(StateError, match="without --sync-every"):
         plain.load_state_blob(blob)
     with pytest.raises(StateError, match="global vector"):
@@ -177,7 +169,7 @@ def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_delta():
 
 # -- error feedback across windows ----------------------------------------------------------------
 def test_error_feedback_loses_no_mass_across_windows():
-    r = _replica()
+    r = small_replica()
     r.use_local_steps(OuterConfig())
     comp = Compressor(r.manifest, CodecConfig(mode="topk-int2", ratio=0.01), sender="x")
     total = torch.zeros(r.numel, dtype=torch.float64)

@@ -13,9 +13,8 @@ from swarm import settings
 from swarm.config import PeerConfig
 from swarm.node import Peer
 from swarm.replica import Replica
-from swarm.tasks import default_task
 
-from .conftest import small_cfg
+from .conftest import small_cfg, small_replica
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,12 +57,6 @@ async def test_three_peers_overlapped_keep_identical_replicas_and_compute_one_ro
     assert sketches[0] == sketches[1] == sketches[2]
 
 
-def _replica() -> Replica:
-    r = Replica(default_task(small_cfg()), seed=0)
-    r.set_shard(0, 1, 0)
-    return r
-
-
 def _flat(r: Replica) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in r.params])
 
@@ -74,8 +67,8 @@ def _step(r: Replica, ahead: bool = False):
     return batch, want, rows, r.compute(batch, want, rows, ahead)
 
 
-def test_a_step_computed_ahead_takes_its_gradient_at_the_extrapolated_parameters_and_leaves_the_replica():
-    r = _replica()
+def test_a_step_computed_ahead_takes_its_gradient_at_the_extrapolated_parameters_and_leaves_thesmall_replica():
+    r = small_replica()
     r.predict_ahead = True
     _, _, _, (stats, flat, _) = _step(r)
     before = _flat(r)
@@ -88,7 +81,7 @@ def test_a_step_computed_ahead_takes_its_gradient_at_the_extrapolated_parameters
     # the replica's own tensors are put back, bit for bit (the optimizer holds them)
     assert torch.equal(_flat(r), now) and [p.data.data_ptr() for p in r.params] == ptrs
     # the same batch on a replica set to the extrapolated parameters gives the same gradient
-    twin = _replica()
+    twin = small_replica()
     with torch.no_grad():
         for p, q, c in zip(twin.params, r.params, r.last_change):
             p.copy_(q + c)
@@ -97,7 +90,7 @@ def test_a_step_computed_ahead_takes_its_gradient_at_the_extrapolated_parameters
     # without predict_ahead (lockstep rounds) or before any round, ``ahead`` changes nothing
     r.predict_ahead = False
     assert torch.equal(r.compute(batch, want, rows, True)[1], r.compute(batch, want, rows)[1])
-    fresh = _replica()
+    fresh = small_replica()
     fresh.predict_ahead = True
     assert torch.equal(fresh.compute(batch, want, rows, True)[1], fresh.compute(batch, want, rows)[1])
 

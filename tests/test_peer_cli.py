@@ -112,13 +112,13 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subproc
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def run_clis(*runs: tuple[tuple[str, ...], dict | None]) -> list[subprocess.CompletedProcess]:
-    """``run_cli(*args, env=env)`` for each (args, env), two at a time (the CPUs a test may use):
-    each is its own `python peer.py`, so the results are those of running them one by one."""
+def run_clis(*runs: tuple[tuple[str, ...], dict | None], timeout: float = 60) -> list[subprocess.CompletedProcess]:
+    """``run_cli(*args, env=env, timeout=timeout)`` for each (args, env), two at a time (the CPUs a
+    test may use): each is its own `python peer.py`, so the results are those of running them one by one."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda run: run_cli(*run[0], env=run[1]), runs))
+        return list(pool.map(lambda run: run_cli(*run[0], env=run[1], timeout=timeout), runs))
 
 
 BAD_FLAGS = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from swarm.task import Shard, Task, TaskError, TaskTypeError, UserCodeError, loa
 
 from . import user_task
 from .conftest import ROOT
+from .test_peer_cli import run_clis
 
 pytestmark = pytest.mark.timeout(240)
 HERE = Path(__file__).resolve().parent
@@ -327,29 +327,15 @@ async def test_cli_task_errors_are_one_line_and_user_errors_show_their_traceback
         (("--task-arg", "d_model=100", "--task-arg", "heads=3"), 2, "not divisible"),
         (("--task", f"{boom}:task"), 1, "KeyError"),
     ]
-    two = asyncio.Semaphore(2)  # two at a time (the CPUs a test may use); each its own `python peer.py`
-
-    async def run(args):
-        async with two:
-            proc = await asyncio.create_subprocess_exec(sys.executable, str(ROOT / "peer.py"), *args, "--steps", "2",
-                                                        cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-                                                        stderr=asyncio.subprocess.PIPE)
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), 120)
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
-            return proc, out, err
-
-    ran = await asyncio.gather(*(run(args) for args, _, _ in cases))
-    for (args, code, needle), (proc, out, err) in zip(cases, ran):
-        text = err.decode()
-        assert proc.returncode == code, (args, text[-500:])
+    # two at a time, each its own `python peer.py` (run_clis)
+    ran = await asyncio.to_thread(run_clis, *(((*args, "--steps", "2"), None) for args, _, _ in cases), timeout=120)
+    for (args, code, needle), r in zip(cases, ran):
+        text, out = r.stderr, r.stdout
+        assert r.returncode == code, (args, text[-500:])
         assert needle in text, (args, text[-500:])
         if code == 2:
             assert "Traceback" not in text and len(text.strip().splitlines()) <= 2, text
-            assert b"listening on" not in out  # refused before the peer listens
+            assert "listening on" not in out  # refused before the peer listens
         else:
             assert "Traceback" in text and "the traceback above is from the task's code" in text
 
