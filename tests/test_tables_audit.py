@@ -55,7 +55,7 @@ def test_slots_either_side_does_not_hold_are_not_compared():
 def replicate_all(svcs, forwards) -> None:
     for fwd in forwards:
         for peer, replays in fwd.items():
-            assert svcs[peer].apply_replays(replays)
+            assert svcs[peer].apply_replays(replays).applied
 
 
 def audit_once(svcs, me: str, audit: ReplicaAudit) -> list[tuple[str, int]]:

@@ -187,7 +187,7 @@ def test_the_service_hands_off_and_replays_rowwise_state():
             fwd = svcs[owner].apply_push(PushRequest(m.view, f"x:{step}", {"ngram": sub},
                                                      {"ngram": torch.full((len(sub), 8), 0.1 * (step + 1))}))
             for peer, replays in fwd.items():
-                assert svcs[peer].apply_replays(replays) is True
+                assert svcs[peer].apply_replays(replays).applied is True
     for slot in range(m.n_slots("ngram")):
         assert len({svcs[o].shards["ngram"].checksum(slot) for o in m.owners("ngram", slot)}) == 1
     # a new owner installs the newest copy (import_best decodes it as this swarm's row-wise state)

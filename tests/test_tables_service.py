@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from swarm.tables import TableSpec
-from swarm.tables.service import FRESH, Diverged, Fenced, Moving, NotPrimary, TableService
-from swarm.tables.formats import PullRequest, PushRequest
+from swarm.tables.service import FRESH, Fenced, Moving, NotPrimary, TableService
+from swarm.tables.formats import PullRequest, PushRequest, Replay, WireError, encode_replay_reply, stale_rows
 
 SPECS = [TableSpec("ngram", 256, 8), TableSpec("value", 256, 8)]
 PEERS = ["p-a", "p-b", "p-c"]
@@ -47,7 +49,7 @@ def test_push_goes_to_the_primary_only_and_replays_make_replicas_identical():
         for fwd in push_to_primaries(svcs, ids, key=f"x:{step}", g=0.1 * (step + 1)):
             for peer, replays in fwd.items():
                 for rp in replays:
-                    assert svcs[peer].apply_replays([rp]) is True
+                    assert svcs[peer].apply_replays([rp]).applied is True
     for slot in range(m.n_slots("ngram")):
         owners = m.owners("ngram", slot)
         assert len({svcs[o].shards["ngram"].checksum(slot) for o in owners}) == 1
@@ -75,7 +77,7 @@ def test_a_repeated_push_is_applied_once_and_another_view_is_fenced():
         svcs["p-b"].serve_pull(PullRequest(view="0" * 16, dtype="fp32", ids={"ngram": ids}))
 
 
-def test_a_replica_that_missed_an_update_diverges_and_the_full_state_heals_it():
+def test_a_replica_that_missed_an_update_names_the_stale_rows_and_their_full_state_heals_them():
     svcs = services()
     m = svcs["p-a"].map
     ids = np.arange(0, 256, 5)
@@ -89,10 +91,13 @@ def test_a_replica_that_missed_an_update_diverges_and_the_full_state_heals_it():
     for fwd in second:
         for peer, replays in fwd.items():
             for rp in replays:
-                with pytest.raises(Diverged):
-                    svcs[peer].apply_replays([rp])
+                before = svcs[peer].shards[rp.table].steps(rp.ids).clone()
+                out = svcs[peer].apply_replays([rp])
+                assert out.applied and set(out.stale) == {rp.table}
+                assert out.stale[rp.table].tolist() == rp.ids.tolist()  # every row missed the first update
+                assert torch.equal(svcs[peer].shards[rp.table].steps(rp.ids), before)  # none was stepped
                 primary = m.owners(rp.table, int(m.slot_of(rp.table, rp.ids[:1])[0]))[0]
-                state = svcs[primary].full_state(rp.table, rp.ids)
+                state = svcs[primary].full_state(rp.table, out.stale[rp.table])
                 svcs[peer].apply_replica(rp.table, state, rp.view, rp.key)
                 healed += 1
     assert healed > 0
@@ -226,7 +231,7 @@ def test_a_flush_applies_the_pushes_it_gathered_as_one_update_per_row():
     for peer, replays in forward.items():
         assert len(replays) == 1  # one replay per replica and table, whatever the number of pushes
         for rp in replays:
-            assert svcs[peer].apply_replays([rp]) is True
+            assert svcs[peer].apply_replays([rp]).applied is True
             n_replays += 1
     assert n_replays >= 1
     for slot in np.unique(m.slot_of("ngram", sub)).tolist():
@@ -298,9 +303,10 @@ async def test_the_batcher_answers_each_push_after_one_shared_flush():
     batcher.close()
 
 
-def test_a_flush_replays_every_table_to_a_replica_at_once_and_all_or_nothing():
+def test_a_flush_replays_every_table_to_a_replica_at_once_and_only_stale_rows_are_left():
     """A flush of pushes to both tables gives each replica one list of replays (one message on the
-    wire); a replica that missed an update of one table applies nothing of the message."""
+    wire); a replica that missed an update of some rows applies the rest of the message, names
+    those rows, and is bit-identical to its primary once their full state arrives."""
     svcs = services()
     m = svcs["p-a"].map
     prim = m.owners("ngram", 0)[0]
@@ -315,14 +321,35 @@ def test_a_flush_replays_every_table_to_a_replica_at_once_and_all_or_nothing():
     victim = both[0]
     rps = forward[victim]
     value = next(rp for rp in rps if rp.table == "value")
-    # the victim's value rows take an update the primary never made: its counters now differ
+    assert len(value.ids) >= 2
+    # one of the victim's value rows takes an update the primary never made: its counter now differs
     svcs[victim].shards["value"].apply_grads(value.ids[:1], torch.ones(1, 8))
     ngram = next(rp for rp in rps if rp.table == "ngram")
     before = svcs[victim].shards["ngram"].steps(ngram.ids).clone()
-    with pytest.raises(Diverged):
-        svcs[victim].apply_replays(rps)
-    assert torch.equal(svcs[victim].shards["ngram"].steps(ngram.ids), before)  # nothing applied
+    out = svcs[victim].apply_replays(rps)
+    assert out.applied and set(out.stale) == {"value"} and out.stale["value"].tolist() == value.ids[:1].tolist()
+    assert torch.equal(svcs[victim].shards["ngram"].steps(ngram.ids), before + 1)  # the other table: stepped
+    assert svcs[victim].shards["value"].steps(value.ids[1:]).tolist() == [1] * (len(value.ids) - 1)
+    assert svcs[victim].stats.replays_diverged == 1 and svcs[victim].stats.rows_stale == 1
+    assert svcs[victim].apply_replays(rps).applied is False  # a repeat changes nothing
+    svcs[victim].apply_replica("value", svcs[prim].full_state("value", out.stale["value"]), m.view, "p-b:1")
     for peer, msgs in forward.items():
         if peer != victim:
-            assert svcs[peer].apply_replays(msgs) is True
-            assert svcs[peer].apply_replays(msgs) is False  # a repeat
+            assert svcs[peer].apply_replays(msgs).applied is True
+            assert svcs[peer].apply_replays(msgs).applied is False  # a repeat
+    for t in ("ngram", "value"):
+        for slot in np.unique(m.slot_of(t, mine[t])).tolist():
+            assert len({svcs[o].shards[t].checksum(slot) for o in m.owners(t, slot)}) == 1
+
+
+def test_a_replay_reply_names_only_rows_the_replay_carried():
+    """The primary heals what a replica's reply names: only tables and rows of its own replay."""
+    rp = Replay("ngram", "0" * 16, "k:1", np.array([2, 5, 9]), torch.zeros(3, 8), torch.zeros(3, dtype=torch.int64))
+    ok = json.dumps(encode_replay_reply(True, {"ngram": np.array([5, 9])})).encode()
+    assert {t: v.tolist() for t, v in stale_rows(ok, [rp]).items()} == {"ngram": [5, 9]}
+    assert stale_rows(json.dumps(encode_replay_reply(False, {})).encode(), [rp]) == {}
+    for bad in (b"not json", b"[]", b'{"stale": {}}', b'{"applied": true, "stale": {"value": [2]}}',
+                b'{"applied": true, "stale": {"ngram": [3]}}', b'{"applied": true, "stale": {"ngram": [5, 5]}}',
+                b'{"applied": true, "stale": {"ngram": ["5"]}}', b'{"applied": true, "stale": {"ngram": 5}}'):
+        with pytest.raises(WireError):
+            stale_rows(bad, [rp])

@@ -36,6 +36,7 @@ from .ownership import OwnershipMap, TableSpec
 from .shard import KINDS, all_finite, state_keys, state_shape
 
 __all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
+           "encode_replay_reply", "stale_rows",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
@@ -608,7 +609,8 @@ class Replay:
     """A primary's applied push, for a replica to apply the same optimizer step to the same rows.
 
     ``pre_step`` is each row's update counter before the step: a replica whose counters differ has
-    missed or reordered an update and must not apply this one (it asks for the full state instead).
+    missed or reordered an update must not apply it to those rows (it names them in its reply, and
+    the primary sends their full state instead: encode_replay_reply / stale_rows).
     """
     table: str
     view: str
@@ -666,4 +668,36 @@ def decode_replays(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -
         if n and int(st.min()) < 0:
             raise WireError(f"replay pre_step of {t!r} has negative values")
         out.append(Replay(spec.name, view, key, ids, g, st))
+    return out
+
+
+def encode_replay_reply(applied: bool, stale: Mapping[str, np.ndarray]) -> dict:
+    """A replica's answer to a replay (JSON): whether it was new, and the rows it left alone
+    because their update counters were not the primary's."""
+    return {"applied": bool(applied), "stale": {t: np.asarray(ids).tolist() for t, ids in stale.items()}}
+
+
+def stale_rows(reply: bytes, parts: Sequence[Replay]) -> dict[str, np.ndarray]:
+    """The rows a replica's reply names as stale, per table: only tables of the message and ids it
+    replayed (a reply is the replica's word; it can make the primary send no more than the state of
+    rows it sent replays of). WireError on a reply that is not one."""
+    try:
+        msg = json.loads(reply)
+    except (ValueError, UnicodeDecodeError):
+        raise WireError("replay reply is not JSON") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("applied"), bool):
+        raise WireError("replay reply must be an object with a boolean 'applied'")
+    stale = msg.get("stale", {})
+    sent = {rp.table: rp.ids for rp in parts}
+    if not isinstance(stale, dict) or not set(stale) <= set(sent):
+        raise WireError("replay reply's 'stale' must map tables of the replay to row ids")
+    out = {}
+    for t, ids in stale.items():
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise WireError(f"replay reply's stale rows of {t!r} must be a list of ints")
+        got = np.intersect1d(np.asarray(ids, dtype=np.int64), sent[t].astype(np.int64))
+        if got.size != len(ids):
+            raise WireError(f"replay reply names rows of {t!r} that the replay did not carry (or twice)")
+        if got.size:
+            out[t] = got
     return out

@@ -4,8 +4,9 @@ TableService (routes) and the client side a training peer uses each step.
 Routes (docs/protocol.md, "Sharded tables"):
   POST /v1/rows/pull     PullRequest (msgpack)    -> rows (safetensors), in request order
   POST /v1/rows/push     PushRequest (safetensors) -> JSON, after the replicas acknowledged
-  POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors) -> JSON
-  POST /v1/rows/replica  full-state replica update, after a replay was refused (safetensors) -> JSON
+  POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors)
+                         -> JSON {applied, stale: {table: [row id, ...]}}
+  POST /v1/rows/replica  full-state replica update of the rows a replay found stale (safetensors) -> JSON
   POST /v1/rows/slots    {"table", "slots": [..]} (msgpack) -> {"slots": [slot blob, ...]} (msgpack)
   POST /v1/rows/digests  {"table", "view", "slots": [..]} (msgpack) -> {"digests": [[count, checksum] | None]}
 
@@ -31,11 +32,11 @@ from ..bodies import INLINE_BYTES, SENDER, BadRequest, msgpack_response, pack, r
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .ownership import Move
-from .service import FRESH, Diverged, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
+from .service import FRESH, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
 from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
-                   decode_replica, decode_rows, encode_pull, encode_push, encode_replays, encode_replica, encode_rows,
-                   roundtrip)
+                   decode_replica, decode_rows, encode_pull, encode_push, encode_replay_reply, encode_replays,
+                   encode_replica, encode_rows, roundtrip, stale_rows)
 
 log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
@@ -52,6 +53,7 @@ class RowStats:
     pushes_sent: int = 0
     push_failures: int = 0
     retries: int = 0
+    rows_healed: int = 0  # replica rows a replay found stale, sent in full state (as a primary)
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
 
     def percentiles(self) -> dict[str, float | None]:
@@ -503,25 +505,32 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
 
     One message per replica carries every table of a flush. Each replica replays the same
     gradients, in the smallest wire dtype that carries them exactly (a push that came in int4 or
-    bf16 replays in it). A replica that missed an update answers 409 replica-diverged, applies
-    nothing of the message, and gets the rows' full state instead, one table at a time."""
+    bf16 replays in it). A replica applies them to the rows at the primary's update count and names
+    the others (it missed an update: a join's fetch, a lost replay) in its reply; those rows alone
+    get their full state, one request per table."""
     async def one(peer: str, rps: list[Replay], body: bytes) -> bool:
         addr = client.addr_of(peer)
         if addr is None:
             return False
         try:
-            await client.transport.request("POST", addr + "/v1/rows/replay", to=peer, body=body, timeout=5.0,
-                                           content_type="application/octet-stream", kind="replica",
-                                           reply_kind="replica")
+            reply = await client.transport.request("POST", addr + "/v1/rows/replay", to=peer, body=body, timeout=5.0,
+                                                   content_type="application/octet-stream", kind="replica",
+                                                   reply_kind="replica",
+                                                   reply_limit=4096 + 12 * sum(len(rp.ids) for rp in rps))
+            stale = stale_rows(reply, rps)
+        except PeerUnreachable:
+            return False
+        except WireError as e:
+            log.warning("replica %s answered a replay with %s", peer[:16], e)
+            return False
+        if not stale:
             return True
-        except PeerUnreachable as e:
-            if e.code != "replica-diverged":
-                return False
-        return all([await heal(peer, addr, rp) for rp in rps])
+        parts = {rp.table: rp for rp in rps}
+        return all([await heal(peer, addr, parts[t], ids) for t, ids in stale.items()])
 
-    async def heal(peer: str, addr: str, rp: Replay) -> bool:
+    async def heal(peer: str, addr: str, rp: Replay, ids: np.ndarray) -> bool:
         try:
-            state = await client.work(client.service.full_state, rp.table, rp.ids)
+            state = await client.work(client.service.full_state, rp.table, ids)
         except (Moving, NotPrimary, ShardError):
             return False
         body = await asyncio.to_thread(encode_replica, rp.table, state, rp.view, rp.key)
@@ -529,6 +538,7 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
             await client.transport.request("POST", addr + "/v1/rows/replica", to=peer, body=body, timeout=5.0,
                                            content_type="application/octet-stream", kind="replica",
                                            reply_kind="replica")
+            client.stats.rows_healed += len(ids)
             return True
         except PeerUnreachable:
             return False
@@ -580,8 +590,6 @@ def _service_errors(e: Exception) -> BadRequest:
         return BadRequest(f"{e}", 503, code="slot-moving")
     if isinstance(e, NotPrimary):
         return BadRequest(f"{e}", 409, code="not-owner")
-    if isinstance(e, Diverged):
-        return BadRequest(f"{e}", 409, code="replica-diverged")
     if isinstance(e, Banned):
         return BadRequest(f"{e}", 403, code="banned")
     return BadRequest(f"{e}", 400)
@@ -647,7 +655,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
 
         try:
             return await peer.table_work(run)
-        except (Fenced, Moving, NotPrimary, Diverged, ShardError, Banned) as e:
+        except (Fenced, Moving, NotPrimary, ShardError, Banned) as e:
             raise _service_errors(e) from None
 
     def admit(peer, request: web.Request, req: PushRequest) -> int | None:
@@ -679,11 +687,11 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         return web.json_response({"applied": fresh})
 
     async def replay(request: web.Request) -> web.Response:
-        fresh = await decoded_then_applied(
+        outcome = await decoded_then_applied(
             request, "/v1/rows/replay", "replay",
             lambda body, p: decode_replays(body, p.tables.by_name, MAX_IDS),
             lambda p, rps: p.tables.apply_replays(rps))
-        return web.json_response({"applied": fresh})
+        return web.json_response(encode_replay_reply(outcome.applied, outcome.stale))
 
     async def slots(request: web.Request) -> web.Response:
         peer = ready(request)

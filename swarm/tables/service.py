@@ -58,8 +58,14 @@ class NotPrimary(Exception):
     """A push reached a peer that is not the slot's primary in its view (HTTP 409)."""
 
 
-class Diverged(Exception):
-    """A replica's rows are not at the update a replay builds on (HTTP 409): send the full state."""
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What a replica did with one replay message: ``applied`` False for a repeat (nothing done);
+    ``stale`` the rows (per table) that were not at the primary's update count, left as they are
+    for the primary to send in full state. Every other row took the replayed step."""
+
+    applied: bool
+    stale: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,8 @@ class TableStats:
     duplicate_pushes: int = 0
     replica_updates: int = 0  # full-state replica updates applied
     replays_applied: int = 0  # replica steps replayed from the primary's gradients
-    replays_diverged: int = 0
+    replays_diverged: int = 0  # replay messages with some rows not at the primary's count (healed in full state)
+    rows_stale: int = 0  # ... those rows, in all: the rest of each message was applied
     slots_fetched: int = 0
     slots_created: int = 0
     slots_lost: int = 0  # slots that had owners, none of whom could hand them over: restarted from initial rows
@@ -394,26 +401,37 @@ class TableService:
                 part = Replay(rp.table, rp.view, rp.key, rp.ids[sel], rp.grads[t], rp.pre_step[t], rp.dtype)
                 forward.setdefault(self.map.members[member_idx], []).append(part)
 
-    def apply_replays(self, rps: list[Replay]) -> bool:
+    def apply_replays(self, rps: list[Replay]) -> ReplayOutcome:
         """Replay a primary's optimizer step on our replica rows (one message: every table of one
-        flush): the same gradients on rows at the same update count give the same bits. All or
-        nothing: Diverged when any table's rows are not where the primary's were (a missed or
-        reordered update), and nothing is applied. False (ignored) when it is a repeat."""
-        todo = []
+        flush): the same gradients on rows at the same update count give the same bits. Row by
+        row: a row whose counter is not the primary's pre-step one (it missed or reordered an
+        update) is left alone and named in ``stale``, for the primary to heal with its full state;
+        the other rows take the step (each row's step depends on that row alone). Every table is
+        checked before any is changed. ``applied`` False (nothing done) when it is a repeat."""
+        todo, stale = [], {}
         for rp in rps:
             self._fence(rp.view)
             if (rp.key, "replica:" + rp.table) in self.applied:
                 continue
             self._held(rp.table, rp.ids)
-            if not torch.equal(self.shards[rp.table].steps(rp.ids), rp.pre_step):
-                self.stats.replays_diverged += 1
-                raise Diverged(f"replica rows of {rp.table!r} are not at the primary's update count")
-            todo.append((rp, self.shards[rp.table].check_grads(rp.ids, rp.grads)))
+            shard = self.shards[rp.table]
+            match = torch.eq(shard.steps(rp.ids), rp.pre_step)
+            if not bool(match.all()):
+                keep = match.numpy()
+                stale[rp.table] = rp.ids[~keep]
+                ids, grads = rp.ids[keep], rp.grads[match]
+            else:
+                ids, grads = rp.ids, rp.grads
+            todo.append((rp, shard.check_grads(ids, grads) if ids.size else None))
         for rp, checked in todo:
-            self.shards[rp.table].apply_checked(checked)
+            if checked is not None:
+                self.shards[rp.table].apply_checked(checked)
             self._remember((rp.key, "replica:" + rp.table))
             self.stats.replays_applied += 1
-        return bool(todo)
+        if stale:
+            self.stats.replays_diverged += 1
+            self.stats.rows_stale += sum(len(v) for v in stale.values())
+        return ReplayOutcome(bool(todo), stale)
 
     def full_state(self, table: str, ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Current rows and optimizer state, for a replica that diverged (a full-state update)."""
