@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--replicas", type=int, help=f"owners of each table slot, primary included (default {d.replicas})")
     a("--table-lr", type=float, help="learning rate of the row-wise Adam on table rows (default: the task's "
                                      "table_lr; the built-in task's is 0.03)")
+    a("--micro-batch", type=int, help="samples per forward/backward: a batch is taken in pieces of this many and "
+      "their gradients accumulate (the same gradient, less activation memory); 0: the whole batch at once "
+      "(default: the task's micro_batch; the built-in task's is 4)")
     a("--row-state", help="swarm-wide: the table optimizer's second moment: full (one per value, Adam) or rowwise "
       "(one per row, the mean of the row's squared gradient, as TorchRec's row-wise Adam: a third less table "
       f"memory; default {d.row_state})")

@@ -83,6 +83,9 @@ class PeerConfig:
     replicas: int = 2  # owners of each table slot: a primary and replicas-1 replicas
     table_slots: int = 4096  # contiguous row ranges per table, the unit of ownership and hand-off
     table_lr: float = 0.0  # row-wise Adam on the table rows; 0 = the task's table_lr (built-in: 0.03)
+    # samples per forward/backward, the gradients accumulated (this peer's memory, not the swarm's
+    # math); 0 = the whole batch at once, -1 = the task's micro_batch (built-in: 4)
+    micro_batch: int = -1
     row_state: str = "full"  # "rowwise": the table Adam keeps one second-moment value per row, not per value
     row_dtype: str = "int8"  # rows on the wire (pull replies); int8: per-row power-of-two scales
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
@@ -172,6 +175,8 @@ class PeerConfig:
         need(1 <= self.table_slots <= 1 << 16, f"--table-slots must be in 1..65536, got {self.table_slots}")
         need(1 <= self.replicas <= 8, f"--replicas must be in 1..8, got {self.replicas}")
         need(0 <= self.table_lr < 1, f"--table-lr must be in (0, 1) (0 = the task's), got {self.table_lr}")
+        need(-1 <= self.micro_batch <= 1 << 20,
+             f"--micro-batch must be >= 0 samples (0: the whole batch; -1: the task's), got {self.micro_batch}")
         need(self.row_state in ROW_STATES, f"--row-state must be full or rowwise, got {self.row_state!r}")
         need(self.row_dtype in ROW_DTYPES,
              f"--row-dtype must be fp32, fp16, bf16, int8 or int4, got {self.row_dtype!r}")

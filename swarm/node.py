@@ -205,7 +205,8 @@ class Peer:
             task = default_task(self.cfg)  # the built-in byte LM, sized by the built-in flags and task args
         elif self.cfg.task_args:
             raise TaskError("task args (--task-arg) are for a task loaded by name (--task) or the built-in one")
-        replica = Replica(task, seed=self.cfg.seed, device=device, table_lr=self.cfg.table_lr or None)
+        replica = Replica(task, seed=self.cfg.seed, device=device, table_lr=self.cfg.table_lr or None,
+                          micro_batch=None if self.cfg.micro_batch < 0 else self.cfg.micro_batch)
         replica.check()
         return replica
 

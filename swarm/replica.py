@@ -120,14 +120,58 @@ def samples_of(batch: Any) -> int:
     return 0
 
 
+def split_batch(batch: Any, size: int) -> list[tuple[Any, int]]:
+    """``batch`` cut into pieces of at most ``size`` samples, each with its sample count (micro-
+    batches: gradient accumulation). Every tensor of the batch with a first dimension is cut along
+    it, and all of them must have the same one; 0-dim tensors and other values go whole into every
+    piece. One piece (the batch itself) when it has no more than ``size`` samples."""
+    n = samples_of(batch)
+    if n <= size:
+        return [(batch, n)]
+    firsts: set[int] = set()
+
+    def scan(b: Any) -> None:
+        if isinstance(b, torch.Tensor):
+            if b.dim():
+                firsts.add(int(b.shape[0]))
+        elif isinstance(b, (list, tuple)):
+            for x in b:
+                scan(x)
+        elif isinstance(b, dict):
+            for x in b.values():
+                scan(x)
+
+    scan(batch)
+    if firsts != {n}:
+        raise TaskError(f"micro-batches of {size} need every tensor of a batch to have its samples first, the "
+                        f"same number in all; this batch's tensors have first dimensions {sorted(firsts)} "
+                        "(give --micro-batch 0 to take the batch whole)")
+
+    def piece(b: Any, lo: int, hi: int) -> Any:
+        if isinstance(b, torch.Tensor):
+            return b[lo:hi] if b.dim() else b
+        if isinstance(b, (list, tuple)):
+            parts = [piece(x, lo, hi) for x in b]
+            return type(b)(*parts) if hasattr(b, "_fields") else type(b)(parts)
+        if isinstance(b, dict):
+            return {k: piece(v, lo, hi) for k, v in b.items()}
+        return b
+
+    return [(piece(batch, lo, min(lo + size, n)), min(lo + size, n) - lo) for lo in range(0, n, size)]
+
+
 class Replica:
-    def __init__(self, task: Task, seed: int = 0, device: str = "cpu", table_lr: float | None = None):
+    def __init__(self, task: Task, seed: int = 0, device: str = "cpu", table_lr: float | None = None,
+                 micro_batch: int | None = None):
         if not isinstance(task, Task):
             raise TaskTypeError(f"expected a swarm.Task, got {type(task).__name__}")
         self.task = task
         self.seed = seed
         self.device = torch.device(device)
         self.table_lr = table_lr or task.table_lr
+        # samples per forward/backward (0: the whole batch at once); the gradient is their
+        # sample-weighted sum, so the loss must be a mean over the batch's samples
+        self.micro_batch = task.micro_batch if micro_batch is None else micro_batch
         with _BUILD, torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = call_user("model()", task.model)
@@ -379,10 +423,18 @@ class Replica:
         before = {n: b.detach().clone() for n, b in self.buffers.items()}
         leaves = self._bind(want, rows, grad=True)
         try:
-            loss = self._loss(to_device(batch, self.device))
-            finite = bool(torch.isfinite(loss.detach()))
-            if finite:
-                call_user("loss().backward()", loss.backward)
+            pieces = split_batch(batch, self.micro_batch) if self.micro_batch else [(batch, 0)]
+            total = sum(n for _, n in pieces)
+            loss, finite = None, True
+            for piece, n in pieces:  # micro-batches: gradients (params and row leaves) accumulate
+                part = self._loss(to_device(piece, self.device))
+                if len(pieces) > 1:
+                    part = part * (n / total)
+                loss = part.detach() if loss is None else loss + part.detach()
+                finite = bool(torch.isfinite(part.detach()))
+                if not finite:
+                    break
+                call_user("loss().backward()", part.backward)
         finally:
             self._unbind()
         return loss, finite, leaves, before

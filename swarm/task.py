@@ -88,6 +88,9 @@ class Task:
     tables            {dotted path of an nn.Embedding: batch -> its ids}: sharded, not replicated
     optimizer(params) the dense optimizer (default AdamW, lr 1e-3); scheduler(opt) stepped with it
     table_lr          learning rate of the tables' row-wise Adam
+    micro_batch       samples per forward/backward (0: the whole batch): a batch is cut along its
+                      tensors' first dimension and the gradients accumulate, weighted by samples
+                      (loss must be a mean over the batch); less activation memory, same gradient
     data_id           when set, every peer must train on data with this id (the built-in corpus hash)
     tokens_per_sample for language models: stats count tokens too (samples x this)
     """
@@ -101,6 +104,7 @@ class Task:
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     table_lr: float = 1e-2
+    micro_batch: int = 0
     version: str = "1"
     data_id: str = ""
     tokens_per_sample: int = 0
@@ -133,6 +137,8 @@ class Task:
                 or not 0 < float(self.table_lr) < 1:
             raise TaskTypeError(f"Task.table_lr must be a float in (0, 1), got {self.table_lr!r}")
         self.table_lr = float(self.table_lr)
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 0:
+            raise TaskTypeError(f"Task.micro_batch must be an int >= 0 (0: the whole batch), got {self.micro_batch!r}")
         if not isinstance(self.data_id, str) or len(self.data_id) > 200:
             raise TaskTypeError(f"Task.data_id must be a string of at most 200 characters, got {self.data_id!r}")
         if isinstance(self.tokens_per_sample, bool) or not isinstance(self.tokens_per_sample, int) \
