@@ -24,7 +24,7 @@ import hashlib
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -91,16 +91,31 @@ class StepStats:
     finite: bool = True  # False: the loss was not finite and the step's gradient was dropped
 
 
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """The batch with ``fn`` applied to every tensor in it (tuples, namedtuples, lists and dicts
+    rebuilt as they are, other values kept)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        parts = [map_tensors(b, fn) for b in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
+
+
+def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of the batch, depth first, in map_tensors' order."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple, dict)):
+        for b in batch.values() if isinstance(batch, dict) else batch:
+            yield from tensors_in(b)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """The batch with every tensor on ``device`` (tuples, lists and dicts kept as they are)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch) if not hasattr(batch, "_fields") \
-            else type(batch)(*(to_device(b, device) for b in batch))
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def _as_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,15 +124,9 @@ def _as_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def samples_of(batch: Any) -> int:
-    """The first dimension of the batch's first tensor (depth first): its sample count."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for b in items:
-        n = samples_of(b)
-        if n:
-            return n
-    return 0
+    """The first dimension of the batch's first tensor (depth first; a 0-dim tensor counts 1, an
+    empty one is passed over): its sample count."""
+    return next((n for t in tensors_in(batch) if (n := int(t.shape[0]) if t.dim() else 1)), 0)
 
 
 def split_batch(batch: Any, size: int) -> list[tuple[Any, int]]:
@@ -128,36 +137,13 @@ def split_batch(batch: Any, size: int) -> list[tuple[Any, int]]:
     n = samples_of(batch)
     if n <= size:
         return [(batch, n)]
-    firsts: set[int] = set()
-
-    def scan(b: Any) -> None:
-        if isinstance(b, torch.Tensor):
-            if b.dim():
-                firsts.add(int(b.shape[0]))
-        elif isinstance(b, (list, tuple)):
-            for x in b:
-                scan(x)
-        elif isinstance(b, dict):
-            for x in b.values():
-                scan(x)
-
-    scan(batch)
+    firsts = {int(t.shape[0]) for t in tensors_in(batch) if t.dim()}
     if firsts != {n}:
         raise TaskError(f"micro-batches of {size} need every tensor of a batch to have its samples first, the "
                         f"same number in all; this batch's tensors have first dimensions {sorted(firsts)} "
                         "(give --micro-batch 0 to take the batch whole)")
-
-    def piece(b: Any, lo: int, hi: int) -> Any:
-        if isinstance(b, torch.Tensor):
-            return b[lo:hi] if b.dim() else b
-        if isinstance(b, (list, tuple)):
-            parts = [piece(x, lo, hi) for x in b]
-            return type(b)(*parts) if hasattr(b, "_fields") else type(b)(parts)
-        if isinstance(b, dict):
-            return {k: piece(v, lo, hi) for k, v in b.items()}
-        return b
-
-    return [(piece(batch, lo, min(lo + size, n)), min(lo + size, n) - lo) for lo in range(0, n, size)]
+    return [(map_tensors(batch, lambda t, lo=lo: t[lo:lo + size] if t.dim() else t), min(lo + size, n) - lo)
+            for lo in range(0, n, size)]
 
 
 class Replica:
