@@ -34,6 +34,7 @@ import hmac
 import re
 import secrets
 import socket
+import string
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -89,8 +90,13 @@ def proof_ok(secret: str, fingerprint: str, nonce: str, presented: str | None) -
     return hmac.compare_digest(proof(secret, fingerprint, nonce).encode("ascii"), presented.encode("ascii"))
 
 
+_SECRET_ALPHABET = string.ascii_letters + string.digits
+
+
 def generate_secret() -> str:
-    return secrets.token_urlsafe(32)
+    """43 letters and digits (256 bits). No "-" or "_": a URL-safe token starts with "-" one time in
+    64, and ``--secret -x...`` in the printed join command would read as a flag."""
+    return "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(43))
 
 
 def new_nonce() -> str:

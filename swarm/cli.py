@@ -43,6 +43,8 @@ that join the swarm as one host group (docs/design.md, "Host groups")."""
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2: argparse's default prints the usage block too
+        if message.endswith("expected one argument"):  # e.g. "--secret -x...": the value reads as a flag
+            message += "; a value that starts with '-' goes as --FLAG=VALUE"
         sys.stderr.write(f"peer.py: error: {message} (see --help)\n")
         raise SystemExit(2)
 

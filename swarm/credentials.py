@@ -8,6 +8,7 @@ key, so a new id, every start). A generated secret lives next to the key, in ``P
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
 
 from . import auth
@@ -63,3 +64,11 @@ def generated_secret(cfg: PeerConfig) -> tuple[str, bool]:
         except OSError as e:
             raise ConfigError(f"cannot save the generated secret in {where}: {e.strerror or e}") from None
     return secret, False
+
+
+def secret_arg(secret: str) -> str:
+    """The ``--secret`` of a printed join command, safe to paste into a shell: ``--secret=VALUE``
+    when the value starts with "-" (a secret kept from an older start may), which argparse would
+    otherwise read as a flag."""
+    quoted = shlex.quote(secret)
+    return f"--secret={quoted}" if secret.startswith("-") else f"--secret {quoted}"

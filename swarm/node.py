@@ -323,7 +323,7 @@ class Peer:
         if generated:
             pin = f"#{self.key.fingerprint()}" if self.tls else ""
             self.out(f"join this swarm with: python3 peer.py --join {self.addr.split('://', 1)[1]}{pin} "
-                     f"--secret {self.cfg.secret}" + (" (the secret kept from an earlier start)" if kept else ""))
+                     f"{credentials.secret_arg(self.cfg.secret)}" + (" (the secret kept from an earlier start)" if kept else ""))
         if self.status_token:
             self.out(f"status page: {self.addr}/?token={self.status_token}")
         if self.cfg.status_port:

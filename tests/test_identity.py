@@ -97,6 +97,22 @@ def test_credentials_live_in_the_key_file_or_the_checkpoint(tmp_path):
     assert credentials.generated_secret(PeerConfig(secret="generate"))[1] is False
 
 
+
+def test_a_generated_secret_never_reads_as_a_flag_and_the_printed_join_command_parses(capsys):
+    """A URL-safe token starts with "-" one time in 64: the printed ``--secret -x...`` then failed
+    with argparse's "expected one argument" (seen in CI)."""
+    import shlex
+    from swarm.cli import parse_config
+    made = [auth.generate_secret() for _ in range(2000)]
+    assert all(len(s) == 43 and s.isalnum() and s.isascii() for s in made) and len(set(made)) == 2000
+    for secret in (made[0], "-starts-with-a-dash-0123456789", "has space and 'quote'"):
+        argv = shlex.split(f"--join 127.0.0.1:9#{'ab' * 32} {credentials.secret_arg(secret)}")
+        assert parse_config(argv)[0].secret == secret
+    with pytest.raises(SystemExit):
+        parse_config(["--secret", "-starts-with-a-dash-0123456789"])
+    assert "goes as --FLAG=VALUE" in capsys.readouterr().err
+
+
 # -- requests and payloads that name another peer ------------------------------------------------
 
 async def start(**kw) -> Peer:
