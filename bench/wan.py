@@ -173,11 +173,14 @@ SYNC_METHODS = ("ddp-dense", "ddp-sparse", "torchft-diloco", "hivemind")
 # The settings of the swarm's local-step methods (swarm-h8, swarm-h32: H inner steps, then one
 # compressed pseudo-gradient round). SparseLoCo-ish: 2-bit Top-K at 2% density with decaying error
 # feedback as the outer momentum, plain outer step; a quarter of each window's row deltas pushed
-# (the rest carried). swarm-h32 takes its round between windows (at this model size a round is
+# (the rest carried), and rows pulled as int4 (half of int8's pull replies: with local steps the
+# pulled rows are only a window's starting point, the delta pushed is against what was pulled, so
+# the quantization never reaches the pushes; bench/wan.py at 128 steps: 6767 -> 4648 bytes per
+# sample at 8mbit, val_loss within noise). swarm-h32 takes its round between windows (at this model size a round is
 # ~0.1 s against ~10 s of window: bench/local_steps.py measured overlap's delayed update costing
 # 0.04-0.09 in val_loss at H = 32 over seven windows); swarm-h8 overlaps it.
 LOCAL_STEP = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "outer_lr": 1.0, "row_ratio": 0.25,
-              "overlap": False}
+              "row_dtype": "int4", "overlap": False}
 # swarm-diloco: the swarm's own dense DiLoCo, the DiLoCo paper's recipe (H = 32, outer Nesterov SGD)
 DILOCO = {"compression": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
 # torchft-diloco (bench/torchft_baseline.py): the same recipe in torchft.local_sgd.DiLoCo

@@ -167,6 +167,39 @@ def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_delta():
         w.rows(first)
 
 
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_row_pulled_again_next_window_keeps_its_optimizer_state(keep):
+    """The row optimizer's state and step count of a row the last window touched carry over when
+    the next window pulls it again (as the task's optimizer keeps the dense state); rows the last
+    window did not touch, or pulled but never stepped, start fresh; keep_state False: all fresh."""
+    opt = RowOptConfig(kind="adam", lr=0.1)
+    w, ref = WindowRows({"t": 4}, opt, keep_state=keep), WindowRows({"t": 4}, opt, keep_state=False)
+    ids = np.array([1, 5, 9])
+    for x in (w, ref):
+        x.add({"t": ids}, {"t": torch.zeros(3, 4)}, {})
+        x.update({"t": (np.array([1, 5]), torch.tensor([[1.0, -1, 0, 2]] * 2))})  # 9 pulled, never stepped
+        x.update({"t": (np.array([5]), torch.tensor([[1.0, -1, 0, 2]]))})
+        x.clear()
+        x.add({"t": np.array([0, 5, 9])}, {"t": torch.zeros(3, 4)}, {})
+        x.add({"t": np.array([1])}, {"t": torch.zeros(1, 4)}, {})  # a later pull of the window, too
+        x.update({"t": (np.array([0, 1, 5, 9]), torch.tensor([[1.0, 1, 1, 1]] * 4))})
+    got, fresh = w.rows({"t": np.array([0, 1, 5, 9])})["t"], ref.rows({"t": np.array([0, 1, 5, 9])})["t"]
+    # rows 0 and 9 start fresh either way: Adam's first step, lr against the gradient's sign
+    assert torch.allclose(got[[0, 3]], torch.full((2, 4), -0.1), atol=1e-6) and torch.equal(got[[0, 3]], fresh[[0, 3]])
+    if keep:  # rows 1 and 5 go on from their state (steps 2 and 3 of one Adam): not a sign step
+        assert not torch.allclose(got[[1, 2]], fresh[[1, 2]], atol=1e-3)
+        m = torch.zeros(4); v = torch.zeros(4); row = torch.zeros(4)
+        for t, g in enumerate([[1.0, -1, 0, 2], [1.0, -1, 0, 2], [1.0, 1, 1, 1]], 1):  # row 5's three steps
+            g = torch.tensor(g); m = 0.9 * m + 0.1 * g; v = 0.999 * v + 0.001 * g * g
+            step = 0.1 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+            row = row - step if t == 3 else row  # the new window's row starts from zeros (as pulled)
+        assert torch.allclose(got[2], row, atol=1e-5)
+        assert sorted(w.kept) == ["t"] and w.kept["t"][0].tolist() == [1, 5]  # 9 was never stepped
+    else:
+        assert torch.equal(got, fresh) and w.kept == {}
+
+
 # -- error feedback across windows ----------------------------------------------------------------
 def test_error_feedback_loses_no_mass_across_windows():
     r = small_replica()

@@ -2,8 +2,11 @@
 working copy the inner steps update, one push per row per window (sans-I/O, training thread).
 
 Within a window a peer trains on its own copy of the rows it has pulled: every inner step's row
-gradients update that copy with the row optimizer's rule (Adam, its state fresh each window and
-only here), so later inner steps see the rows move, as the dense parameters do. What goes to each
+gradients update that copy with the row optimizer's rule (Adam, its state local to the peer), so
+later inner steps see the rows move, as the dense parameters do. A row's optimizer state (and step
+count) outlives the window when the next window pulls the row again, as the task's optimizer keeps
+the dense parameters' across windows; a fresh state made each row's first step of every window a
+sign step of the full learning rate (measured: 0.027 in val_loss at H=32, docs/benchmarks.md). What goes to each
 row's primary at the end of the window is a **delta**: the row as pulled minus its working copy
 (one push, its key the window), scaled by 1/P for a swarm of P contributors: a row's update is
 the mean over the swarm of the peers' deltas, zero for a peer that did not touch it, as the dense
@@ -50,13 +53,19 @@ class _Rows:
 class WindowRows:
     """The working copy of one window's rows, for every table."""
 
-    def __init__(self, dims: dict[str, int], opt: RowOptConfig, ratio: float = 1.0, carry_cap: int = 1 << 18):
+    def __init__(self, dims: dict[str, int], opt: RowOptConfig, ratio: float = 1.0, carry_cap: int = 1 << 18,
+                 keep_state: bool = True):
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         self.dims = dict(dims)
         self.opt = opt
         self.ratio = ratio
         self.carry_cap = carry_cap  # rows per table the carried deltas may hold (the smallest go first)
+        self.keep_state = keep_state
+        # the row optimizer's state of the rows the last window touched, per table: (sorted ids,
+        # their state tensors, their local step counts); a row pulled again starts from it
+        self.kept: dict[str, tuple[np.ndarray, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.tables: dict[str, _Rows] = {}
         self.clear()
         # row deltas not pushed yet (--row-ratio < 1), per table: sorted ids and their deltas; they
         # survive clear() and join the row's next delta (error feedback on the rows)
@@ -87,12 +96,30 @@ class WindowRows:
             idx = torch.from_numpy(order)
             r.ids = all_ids[order]
             r.rows = torch.cat([r.rows, rows[t].to(torch.float32)]).index_select(0, idx)
-            r.state = {k: torch.cat([v, torch.zeros(state_shape(k, len(new), r.dim))]).index_select(0, idx)
-                       for k, v in r.state.items()}
+            state, steps = self._kept_state(t, new, r)
+            r.state = {k: torch.cat([v, state[k]]).index_select(0, idx) for k, v in r.state.items()}
             r.orig = torch.cat([r.orig, rows[t].to(torch.float32)]).index_select(0, idx)
-            r.t = torch.cat([r.t, torch.zeros(len(new), dtype=torch.int64)]).index_select(0, idx)
+            r.t = torch.cat([r.t, steps]).index_select(0, idx)
             r.absent = np.concatenate([r.absent, gone])[order]
             self.pulled += len(new)
+
+    def _kept_state(self, table: str, new: np.ndarray, r: _Rows) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The optimizer state and step counts ``new``'s rows start this window with: the last
+        window's where it touched them, zeros (a fresh optimizer) elsewhere."""
+        state = {k: torch.zeros(state_shape(k, len(new), r.dim)) for k in r.keys}
+        steps = torch.zeros(len(new), dtype=torch.int64)
+        kept = self.kept.get(table)
+        if kept is None or not kept[0].size:
+            return state, steps
+        ids, kstate, ksteps = kept
+        pos = np.minimum(np.searchsorted(ids, new), ids.size - 1)
+        hit = ids[pos] == new
+        if hit.any():
+            to, frm = torch.from_numpy(np.flatnonzero(hit)), torch.from_numpy(pos[hit])
+            for k in r.keys:
+                state[k].index_copy_(0, to, kstate[k].index_select(0, frm))
+            steps.index_copy_(0, to, ksteps.index_select(0, frm))
+        return state, steps
 
     def rows(self, want: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """The working copy of ``want``'s rows (fp32, in ids order)."""
@@ -149,6 +176,17 @@ class WindowRows:
         return out
 
     def clear(self) -> None:
-        """A new window: nothing pulled yet."""
+        """A new window: nothing pulled yet. The row optimizer's state of the rows the ended window
+        touched is kept for the next one (``keep_state``), as the task's optimizer keeps the dense
+        parameters' across windows: a fresh Adam state makes every row's first step of each window
+        a sign step of the full learning rate."""
+        self.kept = {}
+        if self.keep_state:
+            for t, r in self.tables.items():
+                touched = (r.t > 0).numpy()
+                if touched.any():
+                    sel = torch.from_numpy(np.flatnonzero(touched))
+                    self.kept[t] = (r.ids[touched], {k: v.index_select(0, sel) for k, v in r.state.items()},
+                                    r.t.index_select(0, sel))
         self.tables = {t: _Rows(d, state_keys(self.opt.kind)) for t, d in self.dims.items()}
         self.pulled = 0  # rows pulled this window (each once)
