@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--row-state", help="swarm-wide: the table optimizer's second moment: full (one per value, Adam) or rowwise "
       "(one per row, the mean of the row's squared gradient, as TorchRec's row-wise Adam: a third less table "
       f"memory; default {d.row_state})")
-    a("--row-dtype", help=f"dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default {d.row_dtype})")
+    a("--row-dtype", help="dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default int8; int4 with "
+      "--sync-every > 1)")
     a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16, int8 or int4 (default {d.push_dtype})")
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "

@@ -312,7 +312,7 @@ class Peer:
                                   meta={"step": 0, "active": 0, "active_from": 0}, peer_id=self.id,
                                   tls=self.key.fingerprint() if self.tls else "")
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
-                                        self.shell.suspects, row_dtype=self.cfg.row_dtype, push_dtype=self.cfg.push_dtype,
+                                        self.shell.suspects, row_dtype=self.cfg.pull_dtype(), push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window, ban_seconds=self.cfg.ban_seconds,
                                         event=self.event)
         self._exit.callback(self.table_client.batcher.close)

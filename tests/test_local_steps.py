@@ -256,6 +256,17 @@ def test_local_step_settings_are_swarm_wide_and_checked():
             PeerConfig(**bad).validate()
 
 
+
+def test_pulled_rows_default_to_int4_with_local_steps_and_int8_per_step():
+    from swarm.cli import parse_config
+    assert PeerConfig().pull_dtype() == "int8" and PeerConfig(sync_every=32).pull_dtype() == "int4"
+    assert PeerConfig(sync_every=32, row_dtype="bf16").pull_dtype() == "bf16"
+    assert parse_config(["--sync-every", "8"])[0].pull_dtype() == "int4"
+    assert parse_config(["--sync-every", "8", "--row-dtype", "int8"])[0].pull_dtype() == "int8"
+    with pytest.raises(ConfigError, match="--row-dtype must be"):
+        PeerConfig(row_dtype="int3").validate()
+
+
 def test_a_bad_local_step_flag_is_one_line_and_exit_2():
     r = run_cli("--sync-every", "8", "--steps", "12")
     assert r.returncode == 2 and "multiple of --sync-every" in r.stderr and "Traceback" not in r.stderr

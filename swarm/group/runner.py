@@ -46,7 +46,7 @@ class HostGroup:
         self.peer = peer
         self.comm = comm
         self.rank_ids = rank_ids
-        self.rows = GroupRows(comm, rank_ids, peer.replica.table_specs, row_dtype=peer.cfg.row_dtype,
+        self.rows = GroupRows(comm, rank_ids, peer.replica.table_specs, row_dtype=peer.cfg.pull_dtype(),
                               push_dtype=peer.cfg.push_dtype)
         self.error: str | None = None
         self._pulls_collected = 0  # pulls whose collective part is done (prefetch_started waits on it)
