@@ -198,6 +198,11 @@ def test_a_row_pulled_again_next_window_keeps_its_optimizer_state(keep):
         assert sorted(w.kept) == ["t"] and w.kept["t"][0].tolist() == [1, 5]  # 9 was never stepped
     else:
         assert torch.equal(got, fresh) and w.kept == {}
+    # a row pulled again but not stepped this window is not pushed (its carried count is not a step)
+    w.clear()
+    w.add({"t": np.array([5, 7])}, {"t": torch.zeros(2, 4)}, {})
+    w.update({"t": (np.array([7]), torch.ones(1, 4))})
+    assert w.pushes()["t"][0].tolist() == [7]
 
 
 # -- error feedback across windows ----------------------------------------------------------------

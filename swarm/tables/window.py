@@ -38,6 +38,8 @@ class _Rows:
     state: dict[str, torch.Tensor] = field(init=False)
     t: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # local steps per row
     absent: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # never served: no push
+    # stepped this window (``t`` may count steps of earlier windows: WindowRows.kept)
+    stepped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
     def __post_init__(self) -> None:
         self.rows, self.orig = torch.zeros(0, self.dim), torch.zeros(0, self.dim)
@@ -101,6 +103,7 @@ class WindowRows:
             r.orig = torch.cat([r.orig, rows[t].to(torch.float32)]).index_select(0, idx)
             r.t = torch.cat([r.t, steps]).index_select(0, idx)
             r.absent = np.concatenate([r.absent, gone])[order]
+            r.stepped = np.concatenate([r.stepped, np.zeros(len(new), bool)])[order]
             self.pulled += len(new)
 
     def _kept_state(self, table: str, new: np.ndarray, r: _Rows) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -138,6 +141,7 @@ class WindowRows:
             idx = torch.from_numpy(pos)
             step = r.t.index_select(0, idx) + 1
             r.t.index_copy_(0, idx, step)
+            r.stepped[pos] = True
             before = r.rows.index_select(0, idx)
             row = before.clone()
             state = {k: v.index_select(0, idx) for k, v in r.state.items()}
@@ -154,7 +158,7 @@ class WindowRows:
         the others are carried to the next window's push (called once per window)."""
         out = {}
         for t, r in self.tables.items():
-            keep = torch.from_numpy((r.t > 0).numpy() & ~r.absent)
+            keep = torch.from_numpy(r.stepped & ~r.absent)
             ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep] * scale
             c_ids, c_deltas = self.carry[t]
             if c_ids.size:
