@@ -137,6 +137,12 @@ class PeerConfig:
         per sample at H=32, val_loss within noise). Read after the swarm's settings are agreed."""
         return self.row_dtype or ("int4" if self.sync_every > 1 else "int8")
 
+    def eval_pull_dtype(self) -> str:
+        """The dtype of the rows an evaluation pulls: the training pulls', but never below int8, so
+        that val_loss measures the model rather than int4's rounding (a peer reads its own slots
+        exactly, so int4 pulls also made peers' val_loss differ by which rows they own)."""
+        return "int8" if self.pull_dtype() == "int4" else self.pull_dtype()
+
     def check_user_task(self) -> None:
         """A user task brings its own batches, optimizer and tables: the built-in task's flags would
         mean nothing, so they are refused (ConfigError naming the first)."""

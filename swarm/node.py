@@ -997,7 +997,7 @@ class Peer:
         losses = []
         for batch in self.replica.val:
             want = await self.work(self.replica.rows_of, batch)
-            rows, _ = await self.table_client.pull(want)
+            rows, _ = await self.table_client.pull(want, dtype=self.cfg.eval_pull_dtype())
             losses.append(await self.work(self.replica.eval_loss, batch, want, rows))
         return sum(losses) / len(losses)
 

@@ -268,6 +268,10 @@ def test_pulled_rows_default_to_int4_with_local_steps_and_int8_per_step():
     assert PeerConfig(sync_every=32, row_dtype="bf16").pull_dtype() == "bf16"
     assert parse_config(["--sync-every", "8"])[0].pull_dtype() == "int4"
     assert parse_config(["--sync-every", "8", "--row-dtype", "int8"])[0].pull_dtype() == "int8"
+    # evaluations never pull below int8 (val_loss measures the model, whichever rows a peer owns)
+    assert PeerConfig(sync_every=32).eval_pull_dtype() == "int8"
+    assert PeerConfig(row_dtype="int4").eval_pull_dtype() == "int8"
+    assert PeerConfig(sync_every=32, row_dtype="fp32").eval_pull_dtype() == "fp32"
     with pytest.raises(ConfigError, match="--row-dtype must be"):
         PeerConfig(row_dtype="int3").validate()
 

@@ -105,9 +105,11 @@ class TableClient:
         self.event = event
 
     # -- pull ---------------------------------------------------------------------------------
-    async def pull(self, want: dict[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    async def pull(self, want: dict[str, np.ndarray], dtype: str | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Rows of ``want`` (sorted-unique ids per table), fp32 in ids order, and the ids that could
-        not be had before the timeout (their rows are zeros)."""
+        not be had before the timeout (their rows are zeros); ``dtype``: the wire dtype of remote
+        rows, when not the client's (``row_dtype``)."""
         t0 = time.monotonic()
         rows = {t: torch.zeros(len(ids), self.dims[t]) for t, ids in want.items()}
         # what is left to fetch, as positions into want[table] (ascending)
@@ -129,7 +131,8 @@ class TableClient:
                 rest = pos[~mine]
                 for peer, p in omap.cut(table, want[table][rest], down=self.down() | unreachable).items():
                     by_peer.setdefault(peer, {})[table] = rest[p]
-            results = await asyncio.gather(*(self.pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view)
+            results = await asyncio.gather(*(self.pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view,
+                                                            dtype or self.row_dtype)
                                              for peer, sub in by_peer.items()))
             left: dict[str, list[np.ndarray]] = {}
             for (peer, sub), (got, gone) in zip(by_peer.items(), results):
@@ -152,7 +155,7 @@ class TableClient:
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
 
-    async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str
+    async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str, dtype: str = ""
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
         """One owner's share of a pull: (rows or None when it failed, whether the owner is unreachable)."""
         if peer == "":
@@ -167,7 +170,7 @@ class TableClient:
         addr = self.addr_of(peer)
         if addr is None:
             return None, True
-        req = PullRequest(view=view, dtype=self.row_dtype, ids=sub)
+        req = PullRequest(view=view, dtype=dtype or self.row_dtype, ids=sub)
         try:
             data = await self.transport.request("POST", addr + "/v1/rows/pull", to=peer, body=encode_pull(req),
                                                 timeout=self.timeout, reply_limit=_rows_limit(sub, self.dims) + 65536,
