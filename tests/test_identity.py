@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import stat
 import time
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from swarm import auth, credentials, identity
+from swarm.cli import parse_config
 from swarm.codec import HEADER, CodecConfig, Compressor
 from swarm.config import ConfigError, PeerConfig
 from swarm.identity import PeerKey
@@ -97,12 +99,9 @@ def test_credentials_live_in_the_key_file_or_the_checkpoint(tmp_path):
     assert credentials.generated_secret(PeerConfig(secret="generate"))[1] is False
 
 
-
 def test_a_generated_secret_never_reads_as_a_flag_and_the_printed_join_command_parses(capsys):
     """A URL-safe token starts with "-" one time in 64: the printed ``--secret -x...`` then failed
     with argparse's "expected one argument" (seen in CI)."""
-    import shlex
-    from swarm.cli import parse_config
     made = [auth.generate_secret() for _ in range(2000)]
     assert all(len(s) == 43 and s.isalnum() and s.isascii() for s in made) and len(set(made)) == 2000
     for secret in (made[0], "-starts-with-a-dash-0123456789", "has space and 'quote'"):

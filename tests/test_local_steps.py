@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from swarm import settings
+from swarm.cli import parse_config
 from swarm.codec import CodecConfig, Compressor
 from swarm.config import ConfigError, PeerConfig
 from swarm.node import Peer
@@ -167,7 +168,6 @@ def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_delta():
         w.rows(first)
 
 
-
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_row_pulled_again_next_window_keeps_its_optimizer_state(keep):
     """The row optimizer's state and step count of a row the last window touched carry over when
@@ -261,9 +261,7 @@ def test_local_step_settings_are_swarm_wide_and_checked():
             PeerConfig(**bad).validate()
 
 
-
 def test_pulled_rows_default_to_int4_with_local_steps_and_int8_per_step():
-    from swarm.cli import parse_config
     assert PeerConfig().pull_dtype() == "int8" and PeerConfig(sync_every=32).pull_dtype() == "int4"
     assert PeerConfig(sync_every=32, row_dtype="bf16").pull_dtype() == "bf16"
     assert parse_config(["--sync-every", "8"])[0].pull_dtype() == "int4"

@@ -132,8 +132,7 @@ class TableClient:
                 for peer, p in omap.cut(table, want[table][rest], down=self.down() | unreachable).items():
                     by_peer.setdefault(peer, {})[table] = rest[p]
             results = await asyncio.gather(*(self.pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view,
-                                                            dtype or self.row_dtype)
-                                             for peer, sub in by_peer.items()))
+                                                            dtype) for peer, sub in by_peer.items()))
             left: dict[str, list[np.ndarray]] = {}
             for (peer, sub), (got, gone) in zip(by_peer.items(), results):
                 if gone:
@@ -155,9 +154,10 @@ class TableClient:
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
 
-    async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str, dtype: str = ""
+    async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str, dtype: str | None = None
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
-        """One owner's share of a pull: (rows or None when it failed, whether the owner is unreachable)."""
+        """One owner's share of a pull, its rows in ``dtype`` on the wire (None: ``row_dtype``):
+        (rows or None when it failed, whether the owner is unreachable)."""
         if peer == "":
             return None, False  # every owner of these slots is down right now
         if peer == self.self_id:
