@@ -92,6 +92,9 @@ class PeerConfig:
     row_dtype: str = ""
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
     prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
+    # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
+    # this one computes (each row still pulled once a window)
+    row_lookahead: int = 4
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # replicas compare param_sketches every this many steps and re-sync one that differs (0 = off)
@@ -198,6 +201,7 @@ class PeerConfig:
         need(self.push_dtype in ROW_DTYPES,
              f"--push-dtype must be fp32, fp16, bf16, int8 or int4, got {self.push_dtype!r}")
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
+        need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .codec import Encoded
@@ -54,18 +55,24 @@ class LocalSteps:
         window's last one also holds what follows it (send, and round and apply with ``ends_step``)."""
         peer, clock, rows = self.peer, self.peer.step_times, self.peer.window_rows
         await peer.work(rows.clear)
-        nxt: asyncio.Future | None = None
+        # the rows of the next --row-lookahead inner steps travel while this one computes: a
+        # window's first steps need the most new rows, more than one step's compute hides on a slow
+        # link, its later ones few (most rows recur), so pulling further ahead evens the link out
+        ahead: deque[asyncio.Future] = deque()
+        queued = 0  # inner steps whose batch was sampled (and its rows' pull started)
         try:
-            nxt = await self._next_batch(role)
             for i in range(self.h):
                 if peer.stopping:
                     return False
                 clock.start()
-                batch, want = await nxt
-                nxt = None
+                if not ahead:  # the window's first step
+                    ahead.append(await self._next_batch(role))
+                    queued = 1
+                batch, want = await ahead.popleft()  # in order: rows an earlier pull claimed are in
                 clock.mark("rows")
-                if i + 1 < self.h:
-                    nxt = await self._next_batch(role)  # its rows travel while this step computes
+                while queued < min(self.h, i + 1 + max(1, peer.cfg.row_lookahead)):
+                    ahead.append(await self._next_batch(role))
+                    queued += 1
                 peer.inner_step = w * self.h + i + 1
                 stats, row_grads = await peer.work(self._inner, batch, want)
                 clock.mark("compute")
@@ -75,9 +82,9 @@ class LocalSteps:
                     clock.end()
                     peer.maybe_print()
         finally:
-            if nxt is not None:
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
+            for fut in ahead:
+                fut.cancel()
+            await asyncio.gather(*ahead, return_exceptions=True)
         enc: Encoded = await peer.work(self._payload, w)
         last = peer.is_last_round(w)
         # each peer's row delta counts 1/P, P the contributors: a row's update is the mean over the
@@ -99,10 +106,11 @@ class LocalSteps:
 
     async def _next_batch(self, role: "Role") -> asyncio.Future:
         """Sample the next batch now (training thread) and start pulling the rows of it that this
-        window has not pulled yet; the future is done once they are in the working copy."""
+        window has neither pulled nor claimed yet; the future is done once they are in the working
+        copy (rows an earlier, unfinished pull claimed are in once that pull's future is done)."""
         peer = self.peer
         batch, want = await peer.sample_batch()
-        need = await peer.work(peer.window_rows.missing, want)
+        need = await peer.work(peer.window_rows.claim, want)
 
         async def pull() -> tuple[Any, dict]:
             if any(len(ids) for ids in need.values()):

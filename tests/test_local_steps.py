@@ -168,6 +168,24 @@ def test_window_rows_are_pulled_once_updated_locally_and_pushed_as_one_delta():
         w.rows(first)
 
 
+def test_rows_claimed_by_a_pull_in_flight_are_not_asked_for_again_and_leave_flight_when_added():
+    w = WindowRows({"t": 4, "u": 2}, RowOptConfig(kind="adam", lr=0.1))
+    first = w.claim({"t": np.array([1, 5, 9]), "u": np.array([], np.int64)})
+    assert first["t"].tolist() == [1, 5, 9] and first["u"].size == 0
+    # a later step's pull, started before the first came back, asks only for what nobody claimed
+    second = w.claim({"t": np.array([0, 5, 9, 12]), "u": np.array([3])})
+    assert second["t"].tolist() == [0, 12] and second["u"].tolist() == [3]
+    assert w.missing({"t": np.array([0, 1, 2])})["t"].tolist() == [2]
+    w.add(second, {"t": torch.ones(2, 4), "u": torch.ones(1, 2)}, {})  # pulls may complete out of order
+    assert w.inflight["t"].tolist() == [1, 5, 9] and w.inflight["u"].size == 0
+    w.add(first, {"t": torch.zeros(3, 4), "u": torch.zeros(0, 2)}, {})
+    assert w.inflight["t"].size == 0 and w.pulled == 6
+    assert w.missing({"t": np.array([0, 1, 5, 9, 12, 13])})["t"].tolist() == [13]
+    w.claim({"t": np.array([13])})
+    w.clear()  # a new window: nothing pulled, nothing in flight
+    assert w.inflight == {} and w.missing({"t": np.array([1, 13])})["t"].tolist() == [1, 13]
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_row_pulled_again_next_window_keeps_its_optimizer_state(keep):
     """The row optimizer's state and step count of a row the last window touched carry over when
@@ -309,6 +327,41 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     assert torch.equal(a.replica.global_flat, c.replica.global_flat)
     assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=5e-4)
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_each_once(lookahead):
+    """--row-lookahead L: before inner step i of a window computes, the batches of steps up to
+    i + L are sampled and their rows asked for; no row is pulled twice in a window (WindowRows.add
+    refuses it) and the replicas agree as with L = 1."""
+    h = 4
+    kw = dict(steps=12, min_peers=2, sync_every=h, row_lookahead=lookahead)
+    a = await _start(**kw)
+    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    sampled, seen = [0], []
+    real_sample, real_inner = b.sample_batch, b.replica.inner_step
+
+    async def sample():
+        sampled[0] += 1
+        return await real_sample()
+
+    def inner(*args):
+        seen.append((b.inner_step, sampled[0]))
+        return real_inner(*args)
+
+    b.sample_batch, b.replica.inner_step = sample, inner
+    try:
+        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
+    finally:
+        for p in (a, b):
+            await p.close()
+    assert [s for s, _ in seen] == list(range(1, 13))
+    for step, n in seen:  # step is 1-based across windows
+        w, i = divmod(step - 1, h)
+        assert n == w * h + min(h, i + 1 + lookahead), (step, n)
+    assert torch.equal(a.replica.global_flat, b.replica.global_flat)
+    assert results[0]["param_sketch"] == results[1]["param_sketch"]
+    assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
 
 
 async def test_a_peer_joining_mid_run_syncs_at_a_window_boundary_and_agrees():

@@ -76,12 +76,26 @@ class WindowRows:
         self.dropped = 0  # carried rows dropped at the cap (their delta lost)
 
     def missing(self, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The ids of ``want`` (sorted-unique per table) not pulled yet this window."""
+        """The ids of ``want`` (sorted-unique per table) neither pulled this window nor claimed by a
+        pull still in flight."""
         out = {}
         for t, ids in want.items():
-            have = self.tables[t].ids
-            out[t] = ids[~np.isin(ids, have, assume_unique=True)] if have.size else ids
+            for have in (self.tables[t].ids, self.inflight.get(t)):
+                if have is not None and have.size and ids.size:
+                    ids = ids[~np.isin(ids, have, assume_unique=True)]
+            out[t] = ids
         return out
+
+    def claim(self, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """missing(want), now counted as in flight: a pull of several inner steps ahead
+        (LocalSteps) asks for each row once, and a later step that needs a row claimed by an earlier
+        step's pull waits for that pull (they complete in order) instead of pulling it again."""
+        need = self.missing(want)
+        for t, ids in need.items():
+            if ids.size:
+                cur = self.inflight.get(t)
+                self.inflight[t] = ids if cur is None or not cur.size else np.union1d(cur, ids)
+        return need
 
     def add(self, ids: dict[str, np.ndarray], rows: dict[str, torch.Tensor], absent: dict[str, np.ndarray]) -> None:
         """Rows just pulled (fp32 in ``ids`` order; ids not in the window yet); ``absent``: the ids
@@ -92,6 +106,9 @@ class WindowRows:
             r = self.tables[t]
             if np.isin(new, r.ids, assume_unique=True).any():
                 raise ValueError(f"table {t}: rows pulled twice in one window")
+            fl = self.inflight.get(t)
+            if fl is not None and fl.size:
+                self.inflight[t] = fl[~np.isin(fl, new, assume_unique=True)]
             gone = np.isin(new, absent.get(t, new[:0]), assume_unique=True)
             all_ids = np.concatenate([r.ids, new])
             order = np.argsort(all_ids, kind="stable")
@@ -193,4 +210,5 @@ class WindowRows:
                     self.kept[t] = (r.ids[touched], {k: v.index_select(0, sel) for k, v in r.state.items()},
                                     r.t.index_select(0, sel))
         self.tables = {t: _Rows(d, state_keys(self.opt.kind)) for t, d in self.dims.items()}
+        self.inflight: dict[str, np.ndarray] = {}  # claimed ids whose pull has not come back (sorted)
         self.pulled = 0  # rows pulled this window (each once)
