@@ -58,8 +58,7 @@ class LocalSteps:
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
         # window's first steps need the most new rows, more than one step's compute hides on a slow
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
-        ahead: deque[asyncio.Future] = deque()
-        queued = 0  # inner steps whose batch was sampled (and its rows' pull started)
+        ahead: deque[asyncio.Future] = deque()  # the next steps' batches, their rows' pulls started
         try:
             for i in range(self.h):
                 if peer.stopping:
@@ -67,12 +66,10 @@ class LocalSteps:
                 clock.start()
                 if not ahead:  # the window's first step
                     ahead.append(await self._next_batch(role))
-                    queued = 1
                 batch, want = await ahead.popleft()  # in order: rows an earlier pull claimed are in
                 clock.mark("rows")
-                while queued < min(self.h, i + 1 + max(1, peer.cfg.row_lookahead)):
+                while len(ahead) < min(self.h - i - 1, peer.cfg.row_lookahead):
                     ahead.append(await self._next_batch(role))
-                    queued += 1
                 peer.inner_step = w * self.h + i + 1
                 stats, row_grads = await peer.work(self._inner, batch, want)
                 clock.mark("compute")
