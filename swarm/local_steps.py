@@ -2,15 +2,17 @@
 
 A window: H times, a batch, its rows (each pulled at most once per window, tables/window.py), one
 step of the task's optimizer on this peer's local model; then the window's pseudo-gradient (global
-minus local) goes through the codec (error feedback, --ef-decay) as round ``w``'s payload, the row
-gradients summed over the window go to their primaries, and the round's aggregate is one outer
+minus local) goes through the codec (error feedback, --ef-decay) as round ``w``'s payload, the
+window's row deltas go to their primaries (applied there before the payload goes, so the next
+window pulls rows with every peer's window ``w`` in them), and the round's aggregate is one outer
 step on the global vector (swarm/outer.py) that every peer applies alike.
 
 With --overlap, the round of window w travels while window w+1 computes: each loop iteration for
 round w computes and sends window w+1, then takes round w (whose payloads arrived meanwhile). Window
 w+1 therefore starts from the global model without window w's update: a one-window-delayed outer
-update (docs/design.md, "Local steps"). The first window after a start or a re-sync has nothing to
-overlap with: its iteration computes window w first.
+update (docs/design.md, "Local steps"), and its rows, pulled while window w's pushes travel, are a
+window stale as well. The first window after a start or a re-sync has nothing to overlap with: its
+iteration computes window w first.
 """
 from __future__ import annotations
 
@@ -88,10 +90,22 @@ class LocalSteps:
         # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
         peers = 1 + sum(1 for m in peer.metas().values() if m.contributor)
         pushes = await peer.work(rows.pushes, 1.0 / peers)
-        if last:  # the last rows go out before the last payload (Peer._settle_rows relies on it)
+        if not self.overlap:
+            # the window's row deltas are applied (at their primaries and replicas) before its
+            # payload goes: a peer has round w only once every contributor's pushes of window w
+            # landed, so window w+1 pulls rows with all of window w in them. Sent beside the
+            # payload, they waited out the primaries' --push-window while the next window's first
+            # pulls, its most frequent rows, read them without window w (a window stale). A push
+            # held up (a primary just died, its slots moving) holds the payload a quarter of the
+            # round's deadline at most, so the others' round does not time out on us
+            await role.push(pushes, {}, w)
+            if not await peer.pushes_landed(peer.cfg.round_timeout / 4):
+                peer.event("rows", f"window {w}: row pushes not answered within {peer.cfg.round_timeout / 4:g} s; "
+                                   "the payload goes without waiting for them")
+        elif last:  # the last rows go out before the last payload (Peer._settle_rows relies on it)
             await role.push(pushes, {}, w)
         peer.send_payload(enc)
-        if not last:
+        if self.overlap and not last:
             await role.push(pushes, {}, w)
         peer.record_payload(enc)
         peer.sent_through = w

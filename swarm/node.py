@@ -314,7 +314,8 @@ class Peer:
         self.table_client = TableClient(self.tables, self.transport, self.table_work, self.id, self.shell.addr_of,
                                         self.shell.suspects, row_dtype=self.cfg.pull_dtype(), push_dtype=self.cfg.push_dtype,
                                         push_window=self.cfg.push_window, ban_seconds=self.cfg.ban_seconds,
-                                        event=self.event)
+                                        event=self.event,
+                                        complete_pushes=self.window_pushers if self.window > 1 else None)
         self._exit.callback(self.table_client.batcher.close)
         self.out(f"listening on {scheme}://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
@@ -383,6 +384,12 @@ class Peer:
         """The other members' parsed metadata: alive ones, or (``live``) alive and suspect ones."""
         ids = self.members.live_ids(include_self=False) if live else self.members.alive_ids(include_self=False)
         return {pid: PeerMeta.parse(m.meta) for pid in ids if (m := self.members.get(pid)) is not None}
+
+    def window_pushers(self) -> set[str]:
+        """With local steps, whose row pushes make a window's whole at a primary: every contributor's
+        (ours too while we contribute); PushBatcher flushes once each has come."""
+        mine = {self.id} if self.active else set()
+        return mine | {pid for pid, m in self.metas().items() if m.contributor}
 
     def expected(self, step: int) -> set[str]:
         """Peers whose step payload round ``step`` waits for (core/rounds.py)."""
@@ -820,6 +827,14 @@ class Peer:
     def push_in_background(self, grads: dict, key: str) -> None:
         """Send row gradients to their primaries without waiting (drain_pushes waits)."""
         self._pushes.append(asyncio.ensure_future(self.table_client.push(grads, key=key)))
+
+    async def pushes_landed(self, timeout: float) -> bool:
+        """Wait until every row push in flight is answered (applied at its primaries), at most
+        ``timeout`` seconds; the pushes go on after it. True when all were answered in time."""
+        if not self._pushes:
+            return True
+        _, late = await asyncio.wait(list(self._pushes), timeout=timeout)
+        return not late
 
     async def drain_pushes(self, keep: int) -> None:
         """Wait until at most ``keep`` row pushes are still in flight."""

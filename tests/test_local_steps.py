@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -361,6 +362,44 @@ async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_e
         assert n == w * h + min(h, i + 1 + lookahead), (step, n)
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert results[0]["param_sketch"] == results[1]["param_sketch"]
+    assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
+
+
+async def test_a_window_pulls_its_rows_only_after_every_peers_pushes_of_the_last_window_landed():
+    """Without --overlap, a window's payload goes only once its row pushes are applied, so the next
+    window's pulls (its first inner steps' rows, the most frequent) read rows with every peer's
+    delta of the last window in them. Sent beside the payload, the pushes lost the race to the
+    next window's pulls: a round on loopback takes less than the push window."""
+    kw = dict(steps=12, min_peers=2, sync_every=4, push_window=0.4)
+    a = await _start(**kw)
+    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    landed: dict[int, list[float]] = {}  # window -> when each push of it was answered
+    pulls: list[tuple[int, float]] = []  # (the last window the puller had sent, when the pull began)
+    for p in (a, b):
+        client = p.table_client
+        real_push, real_pull = client.push, client.pull
+
+        async def push(grads, key, real_push=real_push):
+            ok = await real_push(grads, key)
+            landed.setdefault(int(key.rsplit(":", 1)[1]), []).append(time.monotonic())
+            return ok
+
+        async def pull(want, *args, real_pull=real_pull, p=p, **kwargs):
+            pulls.append((p.sent_through, time.monotonic()))
+            return await real_pull(want, *args, **kwargs)
+
+        client.push, client.pull = push, pull
+    try:
+        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
+    finally:
+        for p in (a, b):
+            await p.close()
+    assert sorted(landed) == [0, 1, 2] and all(len(v) == 2 for v in landed.values())  # each peer, each window
+    later = [(w, t) for w, t in pulls if w >= 0]
+    assert {w for w, _ in later} >= {0, 1}  # windows 1 and 2 pulled rows
+    for w, t in later:
+        assert t >= max(landed[w]), f"a pull after window {w} began before its pushes landed"
+    assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
 
 

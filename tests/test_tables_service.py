@@ -271,6 +271,25 @@ def test_pushes_with_huge_gradients_are_refused_before_they_are_queued():
     assert svcs[prim].pending == {}
 
 
+class _BatcherClient:
+    """What PushBatcher uses of a TableClient: the service, its push dtype, its table thread."""
+
+    def __init__(self, service: TableService):
+        self.service, self.push_dtype = service, "int8"
+
+    @staticmethod
+    async def work(fn, *args):
+        return fn(*args)
+
+
+def _one_primary():
+    """The map, some ids of one primary's slots (one replica each) and that primary's service."""
+    svcs = services(replicas=1)
+    m = svcs["p-a"].map
+    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 3)).items()))
+    return m, sub, svcs[prim]
+
+
 async def test_the_batcher_answers_each_push_after_one_shared_flush():
     """PushBatcher: concurrent pushes within the window share a flush; each is answered with its
     own outcome (a refused one raises), and a replica sees the flushes in order."""
@@ -278,19 +297,8 @@ async def test_the_batcher_answers_each_push_after_one_shared_flush():
 
     from swarm.tables.http import PushBatcher
 
-    svcs = services(replicas=1)
-    m = svcs["p-a"].map
-    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 3)).items()))
-    svc = svcs[prim]
-
-    class Client:  # what PushBatcher uses of a TableClient
-        service, push_dtype = svc, "int8"
-
-        @staticmethod
-        async def work(fn, *args):
-            return fn(*args)
-
-    batcher = PushBatcher(Client(), window=0.05)
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_BatcherClient(svc), window=0.05)
     pushes = [_push(m, sub, f"p-{i}:3", torch.full((len(sub), 8), 0.1 * (i + 1))) for i in range(3)]
     bad = _push(m, sub, "p-x:3", torch.ones(len(sub), 8))
     bad.view = "f" * 16
@@ -353,3 +361,22 @@ def test_a_replay_reply_names_only_rows_the_replay_carried():
                 b'{"applied": true, "stale": {"ngram": ["5"]}}', b'{"applied": true, "stale": {"ngram": 5}}'):
         with pytest.raises(WireError):
             stale_rows(bad, [rp])
+
+
+async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queued():
+    """PushBatcher with ``complete`` (local steps: one window's pushers): the flush goes once a push
+    from each sender it names is queued, without waiting out the push window (a minute here: a
+    flush that waited for it would time the test out); until then the pushes wait."""
+    import asyncio
+
+    from swarm.tables.http import PushBatcher
+
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_BatcherClient(svc), window=60.0, complete=lambda: {"p-0", "p-1"})
+    first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))))
+    await asyncio.sleep(0.2)
+    assert not first.done() and svc.stats.flushes == 0  # p-1's push is not in yet
+    second = batcher.submit(_push(m, sub, "p-1:2", torch.full((len(sub), 8), 0.2)))
+    assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
+    assert svc.stats.flushes == 1 and svc.stats.pushes_applied == 2
+    batcher.close()

@@ -86,7 +86,8 @@ class TableClient:
                  addr_of: Callable[[str], str | None], down: Callable[[], set[str]],
                  row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0,
                  push_window: float = 0.1, ban_seconds: float = 60.0,
-                 event: Callable[[str, str], None] | None = None):
+                 event: Callable[[str, str], None] | None = None,
+                 complete_pushes: Callable[[], set[str]] | None = None):
         self.service = service
         self.transport = transport
         self.work = work
@@ -98,7 +99,7 @@ class TableClient:
         self.timeout = timeout
         self.stats = RowStats()
         self.dims = {s.name: s.dim for s in service.specs}
-        self.batcher = PushBatcher(self, push_window)  # the primary's side of the pushes it receives
+        self.batcher = PushBatcher(self, push_window, complete_pushes)  # the primary's side of the pushes it receives
         # row pushes are scored apart from dense payloads: only this primary sees its flushes, so a
         # ban here must not change the dense rounds it takes (those are the same on every peer)
         self.scores = robust.Scoreboard(robust.ScoreConfig(ban_seconds=ban_seconds))
@@ -425,11 +426,18 @@ class PushBatcher:
     accept_push); ``window`` seconds after the first one, every queued push is applied together
     (TableService.flush: one update per row) and the flush's replays go to the replicas, one
     request per replica. Flushes run one at a time, so a replica receives them in the
-    order they were applied. Each push is answered when its flush has been replicated."""
+    order they were applied. Each push is answered when its flush has been replicated.
 
-    def __init__(self, client: "TableClient", window: float):
+    ``complete`` (local steps) names the senders whose pushes make a flush whole: one window's
+    deltas from every contributor. Once a push from each of them is queued the flush goes without
+    waiting out the window, since a peer sends its window's payload only when its pushes are
+    answered (swarm/local_steps.py); the window stays the bound when one never comes."""
+
+    def __init__(self, client: "TableClient", window: float, complete: Callable[[], set[str]] | None = None):
         self.client = client
         self.window = window
+        self.complete = complete
+        self._whole = asyncio.Event()  # a push completed the queue (``complete``)
         self._waiting: dict[int, asyncio.Future] = {}
         # (refusal or None, replicated) of pushes whose flush ended before their waiter registered
         self._done: dict[int, tuple[Exception | None, bool]] = {}
@@ -453,14 +461,34 @@ class PushBatcher:
             fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
             if self._task is None or self._task.done():
                 self._task = asyncio.ensure_future(self._run())
+            if await self._is_whole():
+                self._whole.set()
             err, replicated = await fut
         if err is not None:
             raise err
         return replicated
 
+    async def _is_whole(self) -> bool:
+        """A push from every sender ``complete`` names is queued."""
+        want = self.complete() if self.complete is not None else set()
+        return bool(want) and want <= await self.client.work(self.client.service.pending_senders)
+
+    async def _gather(self) -> None:
+        """Wait out the push window, or less: until the queue is whole (``complete``)."""
+        if self.complete is None:
+            await asyncio.sleep(self.window)
+            return
+        self._whole.clear()  # a set() before this is seen by the check below (its push is queued)
+        if await self._is_whole():
+            return
+        try:
+            await asyncio.wait_for(self._whole.wait(), self.window)
+        except asyncio.TimeoutError:
+            pass
+
     async def _run(self) -> None:
         while self._waiting:
-            await asyncio.sleep(self.window)
+            await self._gather()
             try:
                 forward, outcome, verdicts = await self.client.work(self._flush)
             except Exception as e:  # a bug, not a refusal: answer everyone waiting rather than hang them

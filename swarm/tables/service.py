@@ -298,6 +298,10 @@ class TableService:
         self._pending_keys.update((req.key, t) for t in todo)
         return self._tickets
 
+    def pending_senders(self) -> set[str]:
+        """Who the pushes queued for the next flush are from (PushBatcher: a flush may go early)."""
+        return {sender for _, _, sender in self.pending.values()}
+
     def flush(self, dtype: str | None = None) -> tuple[dict[str, list[Replay]], dict[int, Exception | None]]:
         """Apply every queued push together: ONE optimizer step per row on the sum of the gradients
         the pushes brought for it (DDP's one step on the reduced gradient; a row four peers touched
