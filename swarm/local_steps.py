@@ -90,6 +90,11 @@ class LocalSteps:
         # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
         peers = 1 + sum(1 for m in peer.metas().values() if m.contributor)
         pushes = await peer.work(rows.pushes, 1.0 / peers)
+        # the rows go before the payload without --overlap (below), and the last window's always
+        # (Peer._settle_rows relies on it); with --overlap the payload goes first, as the round waits for it
+        rows_first = not self.overlap or last
+        if rows_first:
+            await role.push(pushes, {}, w)
         if not self.overlap:
             # the window's row deltas are applied (at their primaries and replicas) before its
             # payload goes: a peer has round w only once every contributor's pushes of window w
@@ -98,14 +103,12 @@ class LocalSteps:
             # pulls, its most frequent rows, read them without window w (a window stale). A push
             # held up (a primary just died, its slots moving) holds the payload a quarter of the
             # round's deadline at most, so the others' round does not time out on us
-            await role.push(pushes, {}, w)
-            if not await peer.pushes_landed(peer.cfg.round_timeout / 4):
-                peer.event("rows", f"window {w}: row pushes not answered within {peer.cfg.round_timeout / 4:g} s; "
+            bound = peer.cfg.round_timeout / 4
+            if not await peer.pushes_landed(bound):
+                peer.event("rows", f"window {w}: row pushes not answered within {bound:g} s; "
                                    "the payload goes without waiting for them")
-        elif last:  # the last rows go out before the last payload (Peer._settle_rows relies on it)
-            await role.push(pushes, {}, w)
         peer.send_payload(enc)
-        if self.overlap and not last:
+        if not rows_first:
             await role.push(pushes, {}, w)
         peer.record_payload(enc)
         peer.sent_through = w

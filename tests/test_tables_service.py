@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from swarm.tables import TableSpec
+from swarm.tables.http import PushBatcher
 from swarm.tables.service import FRESH, Fenced, Moving, NotPrimary, TableService
 from swarm.tables.formats import PullRequest, PushRequest, Replay, WireError, encode_replay_reply, stale_rows
 
@@ -293,10 +295,6 @@ def _one_primary():
 async def test_the_batcher_answers_each_push_after_one_shared_flush():
     """PushBatcher: concurrent pushes within the window share a flush; each is answered with its
     own outcome (a refused one raises), and a replica sees the flushes in order."""
-    import asyncio
-
-    from swarm.tables.http import PushBatcher
-
     m, sub, svc = _one_primary()
     batcher = PushBatcher(_BatcherClient(svc), window=0.05)
     pushes = [_push(m, sub, f"p-{i}:3", torch.full((len(sub), 8), 0.1 * (i + 1))) for i in range(3)]
@@ -367,10 +365,6 @@ async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queue
     """PushBatcher with ``complete`` (local steps: one window's pushers): the flush goes once a push
     from each sender it names is queued, without waiting out the push window (a minute here: a
     flush that waited for it would time the test out); until then the pushes wait."""
-    import asyncio
-
-    from swarm.tables.http import PushBatcher
-
     m, sub, svc = _one_primary()
     batcher = PushBatcher(_BatcherClient(svc), window=60.0, complete=lambda: {"p-0", "p-1"})
     first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))))
