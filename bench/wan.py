@@ -98,6 +98,10 @@ What is measured (the same way for every method):
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
+  by kind      a swarm run's results hold `sent_by_kind` and `received_by_kind`: the request and
+               reply body bytes of its peers by kind (rows: pulls and pushes; replica: replays;
+               grads; control; handoff), mean over peers; what `bytes` has beyond their sum is
+               HTTP headers and TCP/IP.
   step ratio   --local-method's step time (wall time per inner step) / its contended floor's (N peers
                alone at once with the same flags: its windows, no one to talk to; the plain floor
                pays a codec round on every step, which a local-step method does not), the
@@ -1064,10 +1068,19 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "sync_every": [s.get("sync_every") for s in summaries],
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries]),
+           "sent_by_kind": mean_by_kind([s.get("sent_by_kind") or {} for s in summaries]),
+           "received_by_kind": mean_by_kind([s.get("received_by_kind") or {} for s in summaries]),
            **peer_split(summaries, wan.n, getattr(a, "slow_peer", None))}
     if steps > a.steps:
         out.update(max_steps=steps, stopped_at_step=stopped_at, val_loss_at_end=val_end)
     return out
+
+
+def mean_by_kind(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Request (or reply) body bytes by kind, mean over the peers that reported: where a run's
+    interface bytes go, next to the headers and TCP that `tx_bytes_run` also counts."""
+    kinds = sorted({k for c in counts for k in c})
+    return {k: int(sum(c.get(k, 0) for c in counts) / len(counts)) for k in kinds} if counts else {}
 
 
 def peer_split(summaries: list[dict], n: int, slow_peer: float | None) -> dict:
