@@ -1,7 +1,12 @@
 """Wire formats of the sharded tables, and their hostile-input decoders (sans-I/O).
 
-    pull request    msgpack  {"v": 1, "view": str, "dtype": str, "ids": {table: bin (uint32 LE)}}
-    rows reply      safetensors: one tensor per table of the request, [len(ids), dim], in the asked dtype
+    pull request    msgpack  {"v": 1, "view": str, "dtype": str, "ids": {table: bin (uint32 LE)}
+                              [, "tags": {table: bin (uint32 LE), one per id: the tag of the row the
+                                 asker holds, 0 for none}]}
+    rows reply      safetensors: one tensor per table of the request, [len(ids), dim], in the asked dtype;
+                    for a table the request tagged, only the rows whose tag changed, [n_changed, dim],
+                    and "<table>.same" U8 [ceil(len(ids) / 8)]: bit i (little-endian bit order) set when
+                    row i is left out because its tag is the asker's (see row_tags)
     push            safetensors: "<table>.ids" I32 [k], "<table>.g" F32/F16/BF16/I8/U8 (int4) [k, dim]; meta v, view, key
 
 int8 ("int8" on the wire) is a tensor of I8 values plus "<name>.scale" F32 [rows]: one power-of-two scale
@@ -23,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import msgpack
@@ -35,7 +40,7 @@ import torch
 from .ownership import OwnershipMap, TableSpec
 from .shard import KINDS, all_finite, state_keys, state_shape
 
-__all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
+__all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "row_tags", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
            "encode_replay_reply", "stale_rows",
            "encode_pull", "decode_pull", "encode_rows",
            "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
@@ -67,6 +72,9 @@ class PullRequest:
     view: str
     dtype: str
     ids: dict[str, np.ndarray]  # table -> sorted-unique row ids (decoded: int64)
+    # table -> uint32 per id: row_tags of the row the asker holds (0: none); the reply leaves out
+    # the rows whose tag is still that (a table not here: every row is sent)
+    tags: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -306,6 +314,42 @@ def roundtrip(x: torch.Tensor, dtype: str) -> torch.Tensor:
     return x.detach().to("cpu", _TORCH[dtype]).to(torch.float32)
 
 
+_TAG_MUL = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection mod 2**64
+_TAG_MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def row_tags(rows: torch.Tensor, dtype: str) -> np.ndarray:
+    """uint32 [n], never 0: a hash of each row's bytes as ``dtype`` puts them on the wire (int8 and
+    int4: the quantized values and the scale). Two rows with the same tag decode, with all but a
+    2**-32 chance, to the same fp32 values; and since re-encoding what was decoded gives back the
+    same bytes (quantize), the asker computes the tag of a row it pulled from the decoded row, as
+    its owner does from the stored one. A pull carries the tags of the rows the asker holds, so an
+    owner leaves out the rows that did not change (docs/tables.md, "Conditional pulls")."""
+    _check_dtype(dtype)
+    x = rows.detach().to("cpu", torch.float32)
+    n = x.shape[0]
+    if dtype in _QMAX:
+        q, scale = quantize(x, _QMAX[dtype])
+        parts = [(pack_int4(q) if dtype == "int4" else q).numpy().view(np.uint8).reshape(n, -1),
+                 scale.numpy().view(np.uint8).reshape(n, 4)]
+    elif dtype == "bf16":
+        parts = [x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(n, -1)]
+    else:
+        parts = [x.to(_TORCH[dtype]).numpy().view(np.uint8).reshape(n, -1)]
+    width = sum(p.shape[1] for p in parts)
+    pad = np.zeros((n, -width % 8), np.uint8)
+    words = np.ascontiguousarray(np.concatenate(parts + [pad], axis=1)).view("<u8")
+    h = np.full(n, 0x243F6A8885A308D3, np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(words.shape[1]):  # a word at a time, mixed (multiply, then shift down)
+            h = (h ^ words[:, j]) * _TAG_MUL
+            h ^= h >> np.uint64(31)
+        h = (h ^ (h >> np.uint64(30))) * _TAG_MIX
+    tags = (h >> np.uint64(32)).astype(np.uint32)
+    tags[tags == 0] = 1  # 0 means "holds none"
+    return tags
+
+
 def _put(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, dtype: str, what: str) -> None:
     """Write float rows ``t`` as ``name`` in ``dtype`` (int8, int4: plus ``name.scale``)."""
     if dtype not in _QMAX:
@@ -353,24 +397,35 @@ def encode_pull(req: PullRequest) -> bytes:
         if not isinstance(t, str):
             raise WireError("table names must be strings")
         ids[t] = _ids_in(a, 1 << 32, f"pull {t!r}").astype("<u4").tobytes()
-    return msgpack.packb({"v": VERSION, "view": req.view, "dtype": req.dtype, "ids": ids}, use_bin_type=True)
+    msg = {"v": VERSION, "view": req.view, "dtype": req.dtype, "ids": ids}
+    tags = {}
+    for t, a in req.tags.items():
+        a = np.asarray(a)
+        if t not in ids or a.ndim != 1 or a.dtype.kind not in "iu" or len(a) * 4 != len(ids[t]):
+            raise WireError(f"tags of {str(t)[:60]!r} must be one integer per id of that table")
+        if a.any():  # all zero: nothing held, nothing to say
+            tags[t] = a.astype("<u4").tobytes()
+    if tags:
+        msg["tags"] = tags
+    return msgpack.packb(msg, use_bin_type=True)
 
 
 @_guard
 def decode_pull(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> PullRequest:
     """Decode a pull request: known tables only, ids strictly increasing and < rows, at most
-    max_ids ids in total, a 16-hex view, a known dtype, no extra keys."""
+    max_ids ids in total, a 16-hex view, a known dtype, tags (if any) one per id of a table the
+    request asks rows of, no extra keys."""
     tables = _tables(tables)
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"payload must be bytes, got {type(data).__name__}")
-    cap = 1024 + 4 * max_ids + 32 * len(tables) + sum(len(t) for t in tables)
+    cap = 1024 + 8 * max_ids + 64 * len(tables) + 2 * sum(len(t) for t in tables)
     if len(data) > cap:
         raise WireError(f"pull request of {len(data)} bytes exceeds {cap} for max_ids={max_ids}")
     msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True,
                           max_bin_len=4 * max_ids, max_str_len=1024, max_array_len=0,
-                          max_map_len=max(4, len(tables)), max_ext_len=0)
-    if not isinstance(msg, dict) or set(msg) != {"v", "view", "dtype", "ids"}:
-        raise WireError("pull request must be a map with exactly v, view, dtype, ids")
+                          max_map_len=max(5, len(tables)), max_ext_len=0)
+    if not isinstance(msg, dict) or set(msg) - {"tags"} != {"v", "view", "dtype", "ids"}:
+        raise WireError("pull request must be a map with exactly v, view, dtype, ids (and tags)")
     if type(msg["v"]) is not int or msg["v"] != VERSION:
         raise WireError(f"unsupported version {str(msg['v'])[:10]!r}")
     view, dtype = _check_view(msg["view"]), _check_dtype(msg["dtype"])
@@ -385,13 +440,26 @@ def decode_pull(data: bytes, tables: Mapping[str, TableSpec], max_ids: int) -> P
         if total > max_ids:
             raise WireError(f"more than max_ids={max_ids} ids")
         out[t] = _check_ids(np.frombuffer(b, "<u4"), spec.rows, f"pull {t!r}")
-    return PullRequest(view, dtype, out)
+    tags = {}
+    if "tags" in msg:
+        if not isinstance(msg["tags"], dict):
+            raise WireError("tags must be a map table -> bin")
+        for t, b in msg["tags"].items():
+            if not isinstance(t, str) or t not in out:
+                raise WireError(f"tags of {str(t)[:60]!r}, a table the request asks no rows of")
+            if not isinstance(b, bytes) or len(b) != 4 * len(out[t]):
+                raise WireError(f"tags of {t!r} must be bin of one uint32 per id ({4 * len(out[t])} bytes)")
+            tags[t] = np.frombuffer(b, "<u4").copy()
+    return PullRequest(view, dtype, out, tags)
 
 
 # ----------------------------------------------------------------------------- rows reply
 
-def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str) -> bytes:
-    """One tensor per table, named by the table, cast to dtype (finite after the cast)."""
+def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str,
+                tags: Mapping[str, np.ndarray] | None = None) -> bytes:
+    """One tensor per table, named by the table, cast to dtype (finite after the cast). ``tags``
+    (a request's): for a table in it, the rows whose row_tags equal the asker's are left out and
+    "<table>.same" marks them."""
     _check_dtype(dtype)
     out = {}
     for name, rows in tables_in_order:
@@ -399,21 +467,49 @@ def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str) -> 
             raise WireError(f"table {name!r} twice")
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             raise WireError(f"rows of {name!r} must be a 2-D tensor")
+        held = (tags or {}).get(name)
+        if held is not None:
+            if len(held) != rows.shape[0]:
+                raise WireError(f"tags of {name!r}: {len(held)} for {rows.shape[0]} rows")
+            same = (held != 0) & (row_tags(rows, dtype) == held)
+            out[name + ".same"] = torch.from_numpy(np.packbits(same, bitorder="little"))
+            rows = rows[torch.from_numpy(~same)]
         _put(out, name, rows, dtype, f"rows of {name!r}")
     return _save(out, {"v": str(VERSION)})
 
 
 @_guard
-def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """The reply to `req`: exactly its tables, each [len(ids), dim] in req.dtype, finite; returns fp32."""
+def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int],
+                held: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The reply to `req`: exactly its tables, each [len(ids), dim] in req.dtype, finite; returns fp32.
+    For a table ``req`` tagged, the reply's rows are those not marked same, and a row marked same
+    (only where the request had a tag) is taken from ``held`` (fp32 [len(ids), dim], the asker's
+    rows, aligned with the ids)."""
     blob = _Blob(data)
     _meta(blob.meta, {"v"})
-    blob.names(_int8_names(set(req.ids), {t: _ST_NAME[req.dtype] for t in req.ids}))
+    tagged = {t for t in req.tags if t in req.ids}
+    blob.names(_int8_names(set(req.ids), {t: _ST_NAME[req.dtype] for t in req.ids}) | {t + ".same" for t in tagged})
     out = {}
     for t, ids in req.ids.items():
         if t not in dim_of:
             raise WireError(f"no dim known for table {t!r}")
-        out[t] = _take(blob, t, (_ST_NAME[req.dtype],), (len(ids), int(dim_of[t])), f"rows of {t!r}")
+        n, dim = len(ids), int(dim_of[t])
+        if t not in tagged:
+            out[t] = _take(blob, t, (_ST_NAME[req.dtype],), (n, dim), f"rows of {t!r}")
+            continue
+        bits = blob.raw(t + ".same", "U8", ((n + 7) // 8,)).numpy()
+        flags = np.unpackbits(bits, bitorder="little")
+        if flags[n:].any():
+            raise WireError(f"{t}.same: bits set past the {n} rows")
+        same = flags[:n].astype(bool)
+        if (same & (req.tags[t] == 0)).any():
+            raise WireError(f"{t}.same marks a row the request held none of")
+        fresh = _take(blob, t, (_ST_NAME[req.dtype],), (n - int(same.sum()), dim), f"rows of {t!r}")
+        if held is None or t not in held or tuple(held[t].shape) != (n, dim):
+            raise ValueError(f"rows of {t!r}: the held rows [{n}, {dim}] a tagged request needs")
+        rows = held[t].to(torch.float32, copy=True)
+        rows[torch.from_numpy(~same)] = fresh
+        out[t] = rows
     return out
 
 

@@ -2,7 +2,8 @@
 TableService (routes) and the client side a training peer uses each step.
 
 Routes (docs/protocol.md, "Sharded tables"):
-  POST /v1/rows/pull     PullRequest (msgpack)    -> rows (safetensors), in request order
+  POST /v1/rows/pull     PullRequest (msgpack)    -> rows (safetensors), in request order (a tagged
+                         request: the rows whose tags changed, and which were left out)
   POST /v1/rows/push     PushRequest (safetensors) -> JSON, after the replicas acknowledged
   POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors)
                          -> JSON {applied, stale: {table: [row id, ...]}}
@@ -36,7 +37,8 @@ from .service import FRESH, Fenced, Moving, NotPrimary, RowVerdict, TableService
 from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
                    decode_replica, decode_rows, encode_pull, encode_push, encode_replay_reply, encode_replays,
-                   encode_replica, encode_rows, roundtrip, stale_rows)
+                   encode_replica, encode_rows, roundtrip, row_tags, stale_rows)
+from .held import HeldRows
 
 log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
@@ -50,6 +52,7 @@ class RowStats:
     rows_pulled_remote: int = 0
     rows_read_local: int = 0
     rows_missing: int = 0  # rows a pull could not get in time (zeros were used)
+    rows_reused: int = 0  # of rows_pulled_remote: held rows their owners left out, unchanged (HeldRows)
     pushes_sent: int = 0
     push_failures: int = 0
     retries: int = 0
@@ -98,6 +101,9 @@ class TableClient:
         self.push_dtype = push_dtype
         self.timeout = timeout
         self.stats = RowStats()
+        # with local steps: the last window's pulled rows and their tags (use_held); a pull then
+        # asks their owners only for the rows that changed
+        self.held: HeldRows | None = None
         self.dims = {s.name: s.dim for s in service.specs}
         self.batcher = PushBatcher(self, push_window, complete_pushes)  # the primary's side of the pushes it receives
         # row pushes are scored apart from dense payloads: only this primary sees its flushes, so a
@@ -106,6 +112,16 @@ class TableClient:
         self.event = event
 
     # -- pull ---------------------------------------------------------------------------------
+    def use_held(self, cap: int) -> None:
+        """Conditional pulls (local steps): keep up to ``cap`` rows of each window's remote pulls,
+        in the client's dtype, and offer their tags to the next window's pulls (tables/held.py)."""
+        self.held = HeldRows(self.dims, self.row_dtype, cap) if cap else None
+
+    def next_window(self) -> None:
+        """A local-step window begins: the rows the last one pulled are what its pulls may reuse."""
+        if self.held is not None:
+            self.held.next_window()
+
     async def pull(self, want: dict[str, np.ndarray], dtype: str | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Rows of ``want`` (sorted-unique ids per table), fp32 in ids order, and the ids that could
@@ -171,20 +187,35 @@ class TableClient:
         addr = self.addr_of(peer)
         if addr is None:
             return None, True
-        req = PullRequest(view=view, dtype=dtype or self.row_dtype, ids=sub)
+        dtype = dtype or self.row_dtype
+        tags, held = {}, {}
+        for t, ids in sub.items() if self.held is not None else ():
+            got = self.held.lookup(t, ids, dtype)
+            if got is not None:
+                tags[t], held[t] = got
+        req = PullRequest(view=view, dtype=dtype, ids=sub, tags=tags)
+
+        def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+            out = decode_rows(data, req, self.dims, held)
+            return out, ({t: row_tags(r, dtype) for t, r in out.items()} if self.held is not None else {})
+
         try:
             data = await self.transport.request("POST", addr + "/v1/rows/pull", to=peer, body=encode_pull(req),
                                                 timeout=self.timeout, reply_limit=_rows_limit(sub, self.dims) + 65536,
                                                 kind="rows", reply_kind="rows")
             if len(data) <= INLINE_BYTES:  # a thread hop costs about what decoding this does
-                out = decode_rows(data, req, self.dims)
+                out, now = decode(data)
             else:
-                out = await asyncio.to_thread(decode_rows, data, req, self.dims)
+                out, now = await asyncio.to_thread(decode, data)
         except PeerUnreachable as e:
             return None, e.status is None
         except WireError:
             return None, False
         self.stats.rows_pulled_remote += sum(len(v) for v in sub.values())
+        for t, ids in sub.items() if self.held is not None else ():
+            if t in tags:  # a held row whose tag is unchanged was left out by its owner
+                self.stats.rows_reused += int(((tags[t] != 0) & (tags[t] == now[t])).sum())
+            self.held.remember(t, ids, out[t], now[t], dtype)
         return out, False
 
     # -- push ---------------------------------------------------------------------------------
@@ -415,6 +446,7 @@ class TableClient:
     def status(self) -> dict:
         s = self.stats
         return {"pulls": s.pulls, "rows_pulled_remote": s.rows_pulled_remote, "rows_read_local": s.rows_read_local,
+                "rows_reused": s.rows_reused, "rows_held": self.held.rows() if self.held is not None else 0,
                 "rows_missing": s.rows_missing, "pushes_sent": s.pushes_sent, "push_failures": s.push_failures,
                 "retries": s.retries,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
@@ -635,7 +667,7 @@ def body_limits(service: TableService) -> dict[str, int]:
     ids = min(MAX_IDS, sum(s.rows for s in service.specs))
     dim = max(s.dim for s in service.specs)
     return {
-        "/v1/rows/pull": 1024 + 4 * ids,
+        "/v1/rows/pull": 1024 + 8 * ids,  # an id and its tag (conditional pulls)
         "/v1/rows/push": ids * (4 + 4 * dim) + 65536,
         "/v1/rows/replica": ids * 4 * (3 * dim + 4) + 65536,
         "/v1/rows/replay": ids * (4 + 8 + 4 * dim) + 65536,
@@ -662,7 +694,7 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             raise BadRequest(f"bad pull request: {e}") from None
 
         def serve() -> bytes:
-            return encode_rows(peer.tables.serve_pull(req), req.dtype)
+            return encode_rows(peer.tables.serve_pull(req), req.dtype, req.tags)
 
         try:
             data = await peer.table_work(serve)
