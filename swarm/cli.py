@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
     a("--row-lookahead", type=int, help="with --sync-every > 1: pull the rows of this many inner steps ahead while "
       f"one computes (each row once a window; default {d.row_lookahead})")
+    a("--held-rows", type=int, help="with --sync-every > 1: rows of the last window kept, so that a pull asks their owners "
+      f"only for the rows that changed since (0 = pull every row whole; default {d.held_rows})")
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
       f"per row (default {d.push_window:g})")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")

@@ -95,6 +95,9 @@ class PeerConfig:
     # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
     # this one computes (each row still pulled once a window)
     row_lookahead: int = 4
+    # with --sync-every > 1: rows of the last window kept with their tags, so that a pull asks their
+    # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
+    held_rows: int = 1 << 17
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # replicas compare param_sketches every this many steps and re-sync one that differs (0 = off)
@@ -201,6 +204,7 @@ class PeerConfig:
         need(self.push_dtype in ROW_DTYPES,
              f"--push-dtype must be fp32, fp16, bf16, int8 or int4, got {self.push_dtype!r}")
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
+        need(0 <= self.held_rows <= 1 << 24, f"--held-rows must be in [0, 2**24] rows, got {self.held_rows}")
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")

@@ -57,6 +57,7 @@ class LocalSteps:
         window's last one also holds what follows it (send, and round and apply with ``ends_step``)."""
         peer, clock, rows = self.peer, self.peer.step_times, self.peer.window_rows
         await peer.work(rows.clear)
+        peer.table_client.next_window()  # the last window's pulled rows: what this one's pulls may reuse
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
         # window's first steps need the most new rows, more than one step's compute hides on a slow
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out

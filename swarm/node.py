@@ -316,6 +316,8 @@ class Peer:
                                         push_window=self.cfg.push_window, ban_seconds=self.cfg.ban_seconds,
                                         event=self.event,
                                         complete_pushes=self.window_pushers if self.window > 1 else None)
+        if self.window > 1:
+            self.table_client.use_held(self.cfg.held_rows)
         self._exit.callback(self.table_client.batcher.close)
         self.out(f"listening on {scheme}://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
