@@ -275,7 +275,7 @@ def test_local_step_settings_are_swarm_wide_and_checked():
     assert settings.parse(old)["sync_every"] == 1
     for bad, needle in [(dict(sync_every=8, steps=60), "multiple"), (dict(overlap=2), "--overlap"),
                         (dict(sync_every=4, outer_nesterov=1), "--outer-nesterov"), (dict(ef_decay=1.5), "--ef-decay"),
-                        (dict(sync_every=0), "--sync-every")]:
+                        (dict(sync_every=0), "--sync-every"), (dict(held_rows=-1), "--held-rows")]:
         with pytest.raises(ConfigError, match=needle):
             PeerConfig(**bad).validate()
 
@@ -296,6 +296,7 @@ def test_pulled_rows_default_to_int4_with_local_steps_and_int8_per_step():
 def test_a_bad_local_step_flag_is_one_line_and_exit_2():
     r = run_cli("--sync-every", "8", "--steps", "12")
     assert r.returncode == 2 and "multiple of --sync-every" in r.stderr and "Traceback" not in r.stderr
+    assert "held_rows" not in settings.given(PeerConfig(sync_every=8, steps=64, held_rows=0))  # a peer's own
 
 
 # -- peers training in windows --------------------------------------------------------------------
@@ -505,3 +506,47 @@ def test_row_ratio_pushes_the_largest_row_deltas_and_carries_the_rest_to_the_nex
     # every row's deltas reached a push exactly once, row 2 with its two windows' sum
     assert set(total) == {1, 2, 3, 4} and w.carry["t"][0].size == 0
     assert torch.allclose(total[2], torch.tensor([0.2, 0.0]), atol=1e-5)
+
+
+def test_held_rows_offer_the_last_windows_pulls_only_in_their_dtype_and_within_the_cap():
+    from swarm.tables.held import HeldRows
+
+    h = HeldRows({"t": 2}, "int4", cap=3)
+    ids = np.array([2, 5, 9, 11])
+    rows = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    tags = np.array([7, 8, 9, 10], np.uint32)
+    h.remember("t", ids, rows, tags, "int4")
+    assert h.lookup("t", ids, "int4") is None  # this window's pulls are for the next one
+    h.next_window()
+    assert h.rows() == 3  # the cap: the lowest ids kept
+    got_tags, got_rows = h.lookup("t", np.array([1, 5, 11]), "int4")
+    assert got_tags.tolist() == [0, 8, 0] and torch.equal(got_rows[1], rows[1]) and not got_rows[0].any()
+    assert h.lookup("t", ids, "int8") is None and h.lookup("u", ids, "int4") is None
+    h.remember("t", np.array([5]), rows[:1] + 1, np.array([3], np.uint32), "int8")  # another dtype: not kept
+    h.remember("t", np.array([5]), rows[:1], np.array([4], np.uint32), "int4")
+    h.remember("t", np.array([5]), rows[1:2], np.array([5], np.uint32), "int4")  # pulled again (a retry): the latest
+    h.next_window()
+    assert h.rows() == 1 and h.lookup("t", np.array([5]), "int4")[0].tolist() == [5]
+    h.next_window()  # a window that pulled nothing: nothing older is offered
+    assert h.rows() == 0 and h.lookup("t", np.array([5]), "int4") is None
+    with pytest.raises(ValueError, match="cap"):
+        HeldRows({"t": 2}, "int4", cap=-1)
+
+
+async def test_windows_reuse_the_rows_nobody_moved_and_the_replicas_agree_as_without():
+    """Two peers in windows with conditional pulls: later windows' pulls reuse held rows (nobody
+    pushed them, or int4 does not see the push) and the run ends as bit-identical as ever."""
+    kw = dict(steps=16, min_peers=2, sync_every=4, row_ratio=0.25, replicas=1)  # rows pulled, not all held
+    a = await _start(**kw)
+    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
+        stats = [p.table_client.status() for p in (a, b)]
+    finally:
+        for p in (a, b):
+            await p.close()
+    assert all(s["rows_reused"] > 0 for s in stats), stats
+    assert all(s["rows_reused"] < s["rows_pulled_remote"] for s in stats)
+    assert torch.equal(a.replica.global_flat, b.replica.global_flat)
+    assert results[0]["param_sketch"] == results[1]["param_sketch"]
+    assert all(r["rounds_timed_out"] == 0 and r["steps"] == 16 for r in results)

@@ -16,7 +16,7 @@ from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
 from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
                                decode_replays, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
-                               encode_replays, encode_replica, encode_rows, encode_slot, quantize, roundtrip,
+                               encode_replays, encode_replica, encode_rows, encode_slot, quantize, roundtrip, row_tags,
                                pack_int4, unpack_int4)
 
 torch.set_num_threads(1)
@@ -391,3 +391,71 @@ def test_int8_blobs_with_bad_scales_are_refused():
                                   metadata={"v": "1", "view": VIEW, "key": "a:1"})
     with pytest.raises(WireError, match="scale"):
         decode_push(push, TABLES, 64)
+
+
+# ----------------------------------------------------------------------------- conditional pulls
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8", "int4"])
+def test_row_tags_of_decoded_rows_are_the_owners_and_change_with_the_row(dtype):
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 8, generator=g)
+    tags = row_tags(rows, dtype)
+    assert tags.dtype == np.uint32 and tags.shape == (64,) and (tags != 0).all()
+    assert len(set(tags.tolist())) == 64  # distinct rows, distinct tags
+    # the asker only has the decoded rows: their tags are the stored rows'
+    assert np.array_equal(row_tags(roundtrip(rows, dtype), dtype), tags)
+    assert np.array_equal(row_tags(torch.zeros(3, 8), dtype), row_tags(torch.zeros(3, 8), dtype))
+    # any change the wire can carry changes the tag: one value moved by a few quanta
+    moved = roundtrip(rows, dtype).clone()
+    moved[:, 5] += moved.abs().amax(dim=1) / 2
+    changed = ~torch.equal(roundtrip(moved, dtype), roundtrip(rows, dtype))
+    assert changed and (row_tags(moved, dtype) != tags).all()
+
+
+def test_a_tagged_pull_leaves_out_the_rows_the_asker_holds_unchanged():
+    dtype = "int4"
+    rows = dict(rows_for(IDS))
+    held = {t: roundtrip(r, dtype) for t, r in rows.items()}  # what the asker pulled last time
+    now = {t: r.clone() for t, r in rows.items()}
+    now["ngram"][1] += 1.0  # the owner's row 3 moved since
+    tags = {"ngram": row_tags(held["ngram"], dtype)}
+    tags["ngram"][3] = 0  # row 999: the asker holds none
+    req = PullRequest(VIEW, dtype, IDS, tags)
+    back = decode_pull(encode_pull(req), TABLES, max_ids=6)
+    assert set(back.tags) == {"ngram"} and np.array_equal(back.tags["ngram"], tags["ngram"])
+    reply = encode_rows(list(now.items()), dtype, back.tags)
+    out = decode_rows(reply, req, DIMS, held={"ngram": held["ngram"]})
+    for t in IDS:
+        assert torch.equal(out[t], roundtrip(now[t], dtype)), t  # as if every row had been sent
+    # which rows came: the moved one and the one not held; ids 0 and 17 were left out
+    blob = safetensors.torch.load(reply)
+    assert blob["ngram"].shape[0] == 2 and blob["ngram.same"].tolist() == [0b0101]
+    # without any tag the request and the reply are as before
+    assert "tags" not in msgpack.unpackb(encode_pull(PullRequest(VIEW, dtype, IDS, {"ngram": np.zeros(4, np.uint32)})))
+
+
+def test_tagged_pulls_refuse_what_does_not_fit():
+    ids = {"ngram": np.array([0, 3])}
+    raw = msgpack.unpackb(encode_pull(PullRequest(VIEW, "int4", ids)))
+    for tags, why in [({"value": b"\0" * 8}, "asks no rows"), ({"ngram": b"\1" * 4}, "one uint32 per id"),
+                      ({"ngram": 7}, "one uint32 per id"), ({"ngram": [1, 2]}, "max_array_len"), (5, "map")]:
+        with pytest.raises(WireError, match=why):
+            decode_pull(msgpack.packb({**raw, "tags": tags}), TABLES, max_ids=6)
+    with pytest.raises(WireError, match="one integer per id"):
+        encode_pull(PullRequest(VIEW, "int4", ids, {"ngram": np.ones(3, np.uint32)}))
+    held = torch.zeros(2, 8)
+    req = PullRequest(VIEW, "int4", ids, {"ngram": np.array([0, 7], np.uint32)})
+    rows = roundtrip(torch.randn(2, 8), "int4")
+
+    def reply(same_bits: int, n_rows: int, with_same: bool = True) -> bytes:
+        q, scale = quantize(rows[:n_rows], 7)
+        t = {"ngram": pack_int4(q), "ngram.scale": scale}
+        if with_same:
+            t["ngram.same"] = torch.tensor([same_bits], dtype=torch.uint8)
+        return safetensors.torch.save(t, metadata={"v": "1"})
+
+    assert decode_rows(reply(0b10, 1), req, DIMS, held={"ngram": held})["ngram"][1].abs().sum() == 0
+    for data, why in [(reply(0b01, 1), "held none of"), (reply(0b110, 1), "past the 2 rows"),
+                      (reply(0b10, 2), "shape"), (reply(0, 2, with_same=False), "tensors must be")]:
+        with pytest.raises(WireError, match=why):
+            decode_rows(data, req, DIMS, held={"ngram": held})

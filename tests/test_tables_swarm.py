@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.node import Peer
-from swarm.tables.formats import PushRequest, encode_push
+from swarm.tables.formats import PushRequest, encode_push, roundtrip
 
 from .conftest import signed, small_cfg, start_peers
 
@@ -47,6 +47,21 @@ async def push_random(peer: Peer, rng: np.random.Generator, key: str, n: int = 3
         grads[t] = (ids, torch.from_numpy(rng.standard_normal((len(ids), 128)).astype(np.float32)) * 0.01)
     assert await peer.table_client.push(grads, key=key)
     return {t: g[0] for t, g in grads.items()}
+
+
+async def pushed_peers(n: int, seed: int, **kw) -> tuple[list[Peer], np.random.Generator]:
+    """``n`` peers with a shared view, each having pushed random row gradients once."""
+    peers = await start_peers(n, **kw)
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        rng = np.random.default_rng(seed)
+        for i, p in enumerate(peers):
+            await push_random(p, rng, key=f"{p.id}:{i}")
+    except BaseException:
+        for p in peers:
+            await p.close()
+        raise
+    return peers, rng
 
 
 async def test_pulled_rows_equal_the_owners_copy_and_replicas_match_their_primary():
@@ -214,12 +229,8 @@ async def test_a_perturbed_table_replica_is_repaired_from_its_primary_by_the_aud
     cannot see it) is found by the audit and replaced by the primary's copy, over HTTP."""
     import aiohttp
 
-    peers = await start_peers(3, row_dtype="fp32")
+    peers, rng = await pushed_peers(3, 3, row_dtype="fp32")
     try:
-        await until(lambda: settled(peers), what="a shared view")
-        rng = np.random.default_rng(3)
-        for i, p in enumerate(peers):
-            await push_random(p, rng, key=f"{p.id}:{i}")
         omap = peers[0].tables.map
         table = "ngram"
         slot = next(s for s in range(omap.n_slots(table))
@@ -251,6 +262,47 @@ async def test_a_perturbed_table_replica_is_repaired_from_its_primary_by_the_aud
                                   headers=signed(replica, primary, "POST", "/v1/rows/digests", body)) as r:
                     assert r.status == status, await r.text()
                     assert "error" in await r.json()
+    finally:
+        for p in peers:
+            await p.close()
+
+
+async def test_a_pull_that_offers_its_held_rows_gets_only_the_changed_ones_and_the_owners_rows():
+    """Conditional pulls (local steps, tables/held.py): the second pull of the same rows carries the
+    tags of the rows the first one brought; owners leave out the rows whose encoding did not
+    change, and what the puller ends up with is, row for row, what a whole pull gives."""
+    peers, rng = await pushed_peers(3, 5, row_dtype="int4")
+    try:
+        client = peers[1].table_client
+        client.use_held(1 << 16)
+        want = {t: np.unique(rng.integers(0, peers[0].cfg.table_rows, 400)) for t in TABLES}
+        counts = peers[1].transport.counts
+        r0 = counts.received.get("rows", 0)
+        await client.pull(want)
+        first_bytes = counts.received["rows"] - r0
+        assert client.stats.rows_reused == 0  # nothing held yet
+        client.next_window()
+        moved = await push_random(peers[0], rng, key=f"{peers[0].id}:9", n=100)  # rows that change since
+        r1 = counts.received["rows"]
+        rows, missing = await client.pull(want)
+        second_bytes = counts.received["rows"] - r1
+        assert not any(len(v) for v in missing.values())
+        omap = peers[0].tables.map
+        remote = unmoved = 0
+        for t in TABLES:
+            for owner, sub in omap.plan(t, want[t]).items():
+                peer = next(p for p in peers if p.id == owner)
+                pos = torch.from_numpy(np.searchsorted(want[t], sub))
+                exact = peer.tables.shards[t].read(sub)
+                far = torch.from_numpy(~omap.owned_mask(peers[1].id, t, sub))  # else read here, exactly
+                exact[far] = roundtrip(exact[far], "int4")
+                remote += int(far.sum())
+                unmoved += int((far.numpy() & ~np.isin(sub, moved[t])).sum())
+                assert torch.equal(rows[t][pos], exact), (t, owner)
+        # every remote row nobody pushed was left out (a pushed one too, when int4 did not see it move)
+        assert unmoved <= client.stats.rows_reused < remote
+        assert second_bytes < first_bytes * (1 - 0.5 * unmoved / remote)
+        assert client.status()["rows_reused"] == client.stats.rows_reused
     finally:
         for p in peers:
             await p.close()
