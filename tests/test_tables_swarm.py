@@ -300,6 +300,7 @@ async def test_a_pull_that_offers_its_held_rows_gets_only_the_changed_ones_and_t
                 unmoved += int((far.numpy() & ~np.isin(sub, moved[t])).sum())
                 assert torch.equal(rows[t][pos], exact), (t, owner)
         # every remote row nobody pushed was left out (a pushed one too, when int4 did not see it move)
+        assert client.stats.rows_offered == remote  # the second pull tagged every row the first brought
         assert unmoved <= client.stats.rows_reused < remote
         assert second_bytes < first_bytes * (1 - 0.5 * unmoved / remote)
         assert client.status()["rows_reused"] == client.stats.rows_reused

@@ -29,8 +29,6 @@ class HeldRows:
         self.dims, self.dtype, self.cap = dict(dims), dtype, cap
         self._last: dict[str, tuple[np.ndarray, torch.Tensor, np.ndarray]] = {}
         self._now: dict[str, list[tuple[np.ndarray, torch.Tensor, np.ndarray]]] = {}
-        self.reused = 0  # rows an owner left out, taken from here
-        self.offered = 0  # rows whose tag a pull carried
 
     def rows(self) -> int:
         """Rows held for the next window's pulls."""
@@ -50,7 +48,6 @@ class HeldRows:
         tags = np.where(hit, htags[pos], 0).astype(np.uint32)
         rows = torch.zeros(len(ids), self.dims[table])
         rows[torch.from_numpy(np.flatnonzero(hit))] = hrows.index_select(0, torch.from_numpy(pos[hit]))
-        self.offered += int(hit.sum())
         return tags, rows
 
     def remember(self, table: str, ids: np.ndarray, rows: torch.Tensor, tags: np.ndarray, dtype: str) -> None:

@@ -52,7 +52,8 @@ class RowStats:
     rows_pulled_remote: int = 0
     rows_read_local: int = 0
     rows_missing: int = 0  # rows a pull could not get in time (zeros were used)
-    rows_reused: int = 0  # of rows_pulled_remote: held rows their owners left out, unchanged (HeldRows)
+    rows_offered: int = 0  # of rows_pulled_remote: held rows whose tags a pull carried (HeldRows)
+    rows_reused: int = 0  # of rows_offered: those their owners left out, unchanged
     pushes_sent: int = 0
     push_failures: int = 0
     retries: int = 0
@@ -214,7 +215,9 @@ class TableClient:
         self.stats.rows_pulled_remote += sum(len(v) for v in sub.values())
         for t, ids in sub.items() if self.held is not None else ():
             if t in tags:  # a held row whose tag is unchanged was left out by its owner
-                self.stats.rows_reused += int(((tags[t] != 0) & (tags[t] == now[t])).sum())
+                offered = tags[t] != 0
+                self.stats.rows_offered += int(offered.sum())
+                self.stats.rows_reused += int((offered & (tags[t] == now[t])).sum())
             self.held.remember(t, ids, out[t], now[t], dtype)
         return out, False
 
@@ -446,7 +449,7 @@ class TableClient:
     def status(self) -> dict:
         s = self.stats
         return {"pulls": s.pulls, "rows_pulled_remote": s.rows_pulled_remote, "rows_read_local": s.rows_read_local,
-                "rows_reused": s.rows_reused, "rows_held": self.held.rows() if self.held is not None else 0,
+                "rows_offered": s.rows_offered, "rows_reused": s.rows_reused, "rows_held": self.held.rows() if self.held is not None else 0,
                 "rows_missing": s.rows_missing, "pushes_sent": s.pushes_sent, "push_failures": s.push_failures,
                 "retries": s.retries,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
