@@ -94,7 +94,9 @@ What is measured (the same way for every method):
                loss of the methods run at the first rate.
   bytes        total bytes each peer's network interface transmitted during the run (all traffic:
                gradients, table rows, control, TCP/IP headers), mean over peers; bytes per sample =
-               that / the samples the peer trained (inner steps x batch).
+               that / the samples the peer trained (inner steps x batch). A run's results also split
+               it: tx_bytes_before_window (start to the end of step 1), tx_bytes_train_window (per
+               peer) and tx_bytes_after_window (the last step to the end: final evaluation, linger).
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
@@ -1260,7 +1262,11 @@ def traffic(tx: list[int], samples, curve) -> dict:
     if win is not None:
         per_step = _mean(win) / (curve[-1][0] - curve[0][0])
         out.update(tx_bytes_train_window=win, bytes_per_step_per_peer=int(per_step),
-                   bytes_per_peer=int(per_step * curve[-1][0]))
+                   bytes_per_peer=int(per_step * curve[-1][0]),
+                   # what the whole run sent beyond its training window: the start and step 1 (the
+                   # first window's pulls), and after the last step (the final evaluation, linger, leave)
+                   tx_bytes_before_window=int(_mean(bytes_between(samples, samples[0][0], curve[0][1]) or [0])),
+                   tx_bytes_after_window=int(_mean(bytes_between(samples, curve[-1][1], samples[-1][0]) or [0])))
     else:
         out.update(bytes_per_step_per_peer=None, bytes_per_peer=int(_mean(tx)))
     return out

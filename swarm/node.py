@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import auth, checkpoint, credentials, divergence, robust, roundbook, threads, tls
+from . import auth, checkpoint, credentials, divergence, evaluation, robust, roundbook, threads, tls
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
@@ -1011,11 +1011,15 @@ class Peer:
         (None when the corpus is too small to hold a held-out batch)."""
         if not self.replica.val:
             return None
+        val = self.replica.val
+        wants = [await self.work(self.replica.rows_of, batch) for batch in val]
         losses = []
-        for batch in self.replica.val:
-            want = await self.work(self.replica.rows_of, batch)
-            rows, _ = await self.table_client.pull(want, dtype=self.cfg.eval_pull_dtype())
-            losses.append(await self.work(self.replica.eval_loss, batch, want, rows))
+        for group in evaluation.group_batches(wants):  # rows the batches share are pulled once
+            union = evaluation.union_ids([wants[i] for i in group])
+            rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype())
+            for i in group:
+                sub = evaluation.rows_for(wants[i], union, rows)
+                losses.append(await self.work(self.replica.eval_loss, val[i], wants[i], sub))
         return sum(losses) / len(losses)
 
     async def _linger(self) -> None:

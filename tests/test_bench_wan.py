@@ -79,6 +79,18 @@ def test_bytes_between_interpolates_and_skips_missing_samples():
     assert wan.bytes_between([(0.0, [None])], 0.0, 1.0) is None
 
 
+def test_traffic_splits_the_run_around_its_training_window():
+    samples = [(0.0, [0, 0]), (1.0, [100, 50]), (2.0, [200, 100]), (3.0, [300, 150]), (4.0, [700, 550])]
+    curve = [(1, 1.0, 5.0), (3, 3.0, 4.0)]  # steps 1..3 end at t = 1 and 3
+    out = wan.traffic([700, 550], samples, curve)
+    assert out["tx_bytes_train_window"] == [200, 100]
+    assert out["tx_bytes_before_window"] == 75 and out["tx_bytes_after_window"] == 400
+    assert out["bytes_per_step_per_peer"] == 75  # 150 bytes over 2 steps, per peer
+    # before + window + after is the whole run
+    assert out["tx_bytes_before_window"] + sum(out["tx_bytes_train_window"]) / 2 + out["tx_bytes_after_window"] \
+        == out["run_bytes_per_peer"]
+
+
 def test_summarize_ratios():
     runs = {
         "swarm": {"time_to_target_s": 10.0, "bytes_per_peer": 1_000, "run_bytes_per_peer": 2_000, "step_time_s": 0.6,
