@@ -618,10 +618,14 @@ def speedup(base: dict | None, ours: dict | None) -> tuple[float | None, str | N
 
 def bytes_per_sample(run: dict | None, batch: int) -> float | None:
     """All bytes a peer's interface sent during the run / the samples that peer trained (mean over
-    peers; samples = inner steps done x batch)."""
+    peers; samples = inner steps done x batch, or what the peers' summaries say they trained when
+    they all do: a slow peer trains fewer)."""
     if not run or not run.get("steps") or not run.get("tx_bytes_run"):
         return None
     tx = run["tx_bytes_run"]
+    said = list((run.get("samples_by_peer") or {}).values())
+    if len(said) == len(tx) and all(isinstance(x, int) and x > 0 for x in said):
+        return sum(tx) / sum(said)
     return sum(tx) / len(tx) / (run["steps"] * batch)
 
 

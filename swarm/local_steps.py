@@ -5,7 +5,10 @@ step of the task's optimizer on this peer's local model; then the window's pseud
 minus local) goes through the codec (error feedback, --ef-decay) as round ``w``'s payload, the
 window's row deltas go to their primaries (applied there before the payload goes, so the next
 window pulls rows with every peer's window ``w`` in them), and the round's aggregate is one outer
-step on the global vector (swarm/outer.py) that every peer applies alike.
+step on the global vector (swarm/outer.py) that every peer applies alike. A peer clearly slower
+than the others takes fewer than H inner steps, so that its windows end when theirs do, and its
+payload says the samples behind it (core/cadence.py window_steps; docs/design.md "Uneven peers in
+windows").
 
 With --overlap, the round of window w travels while window w+1 computes: each loop iteration for
 round w computes and sends window w+1, then takes round w (whose payloads arrived meanwhile). Window
@@ -22,6 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .codec import Encoded
+from .core import cadence
 
 if TYPE_CHECKING:
     from .node import Peer
@@ -35,6 +39,8 @@ class LocalSteps:
         self.peer = peer
         self.h = peer.cfg.sync_every
         self.overlap = bool(peer.cfg.overlap)
+        # our last windows: w -> (its start, when each inner step ended, when its payload went), monotonic s
+        self.windows: dict[int, tuple[float, list[float], float]] = {}
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -56,6 +62,9 @@ class LocalSteps:
         before the window was done (nothing is sent). The step clock files each inner step; the
         window's last one also holds what follows it (send, and round and apply with ``ends_step``)."""
         peer, clock, rows = self.peer, self.peer.step_times, self.peer.window_rows
+        # a peer slower than the others takes fewer inner steps, so the window ends when theirs do
+        # (core/cadence.py window_steps); its payload says the samples behind it
+        started, h, samples, ends = time.monotonic(), self.steps_for(w), 0, []
         await peer.work(rows.clear)
         peer.table_client.next_window()  # the last window's pulled rows: what this one's pulls may reuse
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
@@ -63,7 +72,7 @@ class LocalSteps:
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
         ahead: deque[asyncio.Future] = deque()  # the next steps' batches, their rows' pulls started
         try:
-            for i in range(self.h):
+            for i in range(h):
                 if peer.stopping:
                     return False
                 clock.start()
@@ -71,21 +80,32 @@ class LocalSteps:
                     ahead.append(await self._next_batch(role))
                 batch, want = await ahead.popleft()  # in order: rows an earlier pull claimed are in
                 clock.mark("rows")
-                while len(ahead) < min(self.h - i - 1, peer.cfg.row_lookahead):
+                while len(ahead) < min(h - i - 1, peer.cfg.row_lookahead):
                     ahead.append(await self._next_batch(role))
-                peer.inner_step = w * self.h + i + 1
-                stats, row_grads = await peer.work(self._inner, batch, want)
+                # the swarm's inner step this one stands for (a short window's steps spread over its H)
+                peer.inner_step = w * self.h + (i + 1) * self.h // h
+                stats = await peer.work(self._inner, batch, want)
+                ends.append(time.monotonic())
                 clock.mark("compute")
                 peer.check_finite(stats, peer.inner_step - 1)
                 peer.record_contribution(stats, None)
-                if i + 1 < self.h:
+                samples += stats.samples if stats.finite else 0
+                if peer.cfg.free_run and cadence.end_window_now(h, i + 1, self.others_in(w)):
+                    # the swarm's window is over and waits for us: this step was our last (what
+                    # was pulled ahead for the steps left out is dropped below)
+                    peer.event("window", f"window {w}: the others' payloads are in; sending after {i + 1} "
+                                         f"of {h} inner steps")
+                    h, peer.inner_step = i + 1, (w + 1) * self.h
+                    break
+                if i + 1 < h:
                     clock.end()
                     peer.maybe_print()
         finally:
             for fut in ahead:
                 fut.cancel()
             await asyncio.gather(*ahead, return_exceptions=True)
-        enc: Encoded = await peer.work(self._payload, w)
+        peer.window_steps = h
+        enc: Encoded = await peer.work(self._payload, w, h, samples)
         last = peer.is_last_round(w)
         # each peer's row delta counts 1/P, P the contributors: a row's update is the mean over the
         # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
@@ -109,6 +129,9 @@ class LocalSteps:
                 peer.event("rows", f"window {w}: row pushes not answered within {bound:g} s; "
                                    "the payload goes without waiting for them")
         peer.send_payload(enc)
+        self.windows[w] = (started, ends, time.monotonic())
+        for old in [k for k in self.windows if k < w - 4]:
+            del self.windows[old]
         if not rows_first:
             await role.push(pushes, {}, w)
         peer.record_payload(enc)
@@ -135,15 +158,39 @@ class LocalSteps:
 
         return asyncio.ensure_future(pull())
 
-    def _inner(self, batch: Any, want: dict) -> tuple[Any, dict]:
+    def steps_for(self, w: int) -> int:
+        """Inner steps window ``w`` takes: H, or (--free-run 1) what core/cadence.py window_steps
+        makes of the newest of our windows whose round is complete (when our payload went against
+        when the others' were all in)."""
+        if not self.peer.cfg.free_run:
+            return self.h
+        for r in sorted((r for r in self.windows if r < w), reverse=True):
+            others = self.peer.pacing.completed_at(r)
+            if others is not None:
+                started, ends, sent = self.windows[r]
+                return cadence.window_steps(self.h, [e - started for e in ends], sent - started, others - started)
+        return self.h
+
+    def others_in(self, w: int) -> bool:
+        """Every other contributor's payload for round ``w`` is here (there is at least one)."""
+        others = self.peer.expected(w) - {self.peer.id}
+        return bool(others) and not self.peer.book.missing(w, others)
+
+    def _inner(self, batch: Any, want: dict) -> Any:
         """One inner step on the window's working rows (training thread)."""
         rows = self.peer.window_rows.rows(want)
         t0 = time.perf_counter()
         stats, row_grads = self.peer.replica.inner_step(batch, want, rows)
         self.peer.slow_down(t0, batch, want, rows)
         self.peer.window_rows.update(row_grads)
-        return stats, row_grads
+        return stats
 
-    def _payload(self, w: int) -> Encoded:
-        """The window's pseudo-gradient, compressed as round ``w``'s payload (training thread)."""
-        return self.peer.compressor.compress(self.peer.replica.end_window(self.overlap, w), w)
+    def _payload(self, w: int, steps: int, samples: int) -> Encoded:
+        """The window's pseudo-gradient, compressed as round ``w``'s payload, saying the ``samples``
+        behind it (its weight where the window's payloads say different ones: a slow peer's short
+        window, core/cadence.py window_steps); a window of ``steps`` < H inner steps also moves the
+        learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread)."""
+        replica = self.peer.replica
+        if steps < self.h:
+            replica.skip_schedule(self.h - steps)
+        return self.peer.compressor.compress(replica.end_window(self.overlap, w), w, samples=samples or None)

@@ -166,6 +166,7 @@ class Peer:
         self.window = cfg.sync_every
         self.rounds_total = cfg.steps // cfg.sync_every  # rounds --steps stands for (0: no end)
         self.inner_step = 0  # inner steps of the window being computed, counted from the swarm's start
+        self.window_steps = 0  # inner steps our last window took (fewer than --sync-every: a slow peer's)
         self.sent_through = -1  # the last round computed and sent (with --overlap, one ahead of the rounds taken)
         self.window_rows: WindowRows | None = None
         self.local_steps = LocalSteps(self) if self.window > 1 else None

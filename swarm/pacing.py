@@ -81,6 +81,14 @@ class Pacing:
         self.peer.members.set_meta(nx=self.next_round if self.next_round is not None else self.peer.book.step,
                                    cs=self.declared_at, ms=int(ms * 1000) if ms else 0)
 
+    def completed_at(self, rnd: int) -> float | None:
+        """When round ``rnd`` became complete: its last other contributor's payload arrived (None:
+        not among the last rounds recorded)."""
+        for r, t in reversed(self.pace.completions):
+            if r == rnd:
+                return t
+        return None
+
     # -- the sum between two payloads (training thread) -------------------------------------------
     def add(self, flat: torch.Tensor, samples: int) -> None:
         """One step's gradient (a mean over ``samples``) joins the sum; a skipped step adds nothing."""

@@ -544,6 +544,13 @@ class Replica:
             self._write_local(self.global_flat)
         return delta
 
+    def skip_schedule(self, steps: int) -> None:
+        """Move the task's scheduler on by ``steps`` steps without an optimizer step: a window cut
+        short (a slow peer's) keeps the learning rate where the swarm's is."""
+        if self.sched is not None:
+            for _ in range(steps):
+                self.sched.step()
+
     def lr(self) -> float | None:
         """The first parameter group's learning rate now."""
         return float(self.opt.param_groups[0]["lr"]) if self.opt.param_groups else None

@@ -362,6 +362,10 @@ def test_bytes_per_sample_and_gap():
     run = {"tx_bytes_run": [1_000_000, 3_000_000], "steps": 100}
     assert wan.bytes_per_sample(run, 16) == 1250.0  # mean 2 MB / (100 steps x 16)
     assert wan.bytes_per_sample({"tx_bytes_run": [1], "steps": 0}, 16) is None and wan.bytes_per_sample(None, 16) is None
+    # the samples the peers say they trained, when every peer says (a slow peer trains fewer)
+    said = {**run, "samples_by_peer": {"p0": 1600, "p1": 800}}
+    assert wan.bytes_per_sample(said, 16) == pytest.approx(sum(run["tx_bytes_run"]) / 2400)
+    assert wan.bytes_per_sample({**run, "samples_by_peer": {"p0": 1600, "p1": None}}, 16) == 1250.0
     assert wan.gap(2.2, 2.0) == 0.1 and wan.gap(None, 2.0) is None and wan.gap(2.0, 0) is None
 
 

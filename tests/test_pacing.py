@@ -66,6 +66,31 @@ def test_pace_runs_free_only_when_clearly_slower_and_comes_back():
     assert not fresh.update([0.1])  # too few steps timed to judge
 
 
+def test_a_window_is_cut_short_only_for_a_clearly_late_peer_to_fit_the_others_time():
+    ws = cadence.window_steps
+
+    def steps(n: int, each: float) -> list[float]:  # when each of n inner steps ended
+        return [each * (i + 1) for i in range(n)]
+
+    assert ws(32, steps(32, 1.0), 33.0, 33.0) == 32 and ws(32, steps(32, 1.0), 33.0, 40.0) == 32  # on time, early
+    assert ws(32, steps(32, 1.0), 33.0, 31.0) == 32  # late within WINDOW_FIT: noise, equal peers keep H
+    # twice as slow: by the time the others were in (32 s), less its 1 s of pushes, 15 steps had ended
+    assert ws(32, steps(32, 2.0), 65.0, 32.0) == 15
+    # a slow peer that shares cores ends its last steps faster once the others wait: counted, not extrapolated
+    shared = steps(16, 2.0) + [32.0 + t for t in steps(16, 1.0)]
+    assert ws(32, shared, 49.0, 33.0) == 16
+    assert ws(32, steps(16, 2.0), 33.0, 33.0) == 16  # a short window that now ends on time stays as it is
+    assert ws(32, steps(16, 2.0), 33.0, 41.25) == 20  # ... and grows back when it ends early
+    assert ws(32, steps(16, 1.0), 17.0, 40.0) == 32  # never more than H
+    assert ws(8, steps(8, 10.0), 81.0, 1.0) == 1  # never no step at all
+    # times that say nothing: the last window's steps again
+    assert ws(32, steps(20, 1.0), 21.0, float("nan")) == 20 and ws(32, steps(20, 1.0), 21.0, -1.0) == 20
+    assert ws(32, steps(20, 1.0), 10.0, 30.0) == 20  # a payload before its own last step: not a window's times
+    for h, n in ((0, 1), (8, 0), (8, 9)):
+        with pytest.raises(ValueError):
+            ws(h, steps(n, 1.0), 100.0, 100.0)
+
+
 def test_pace_stride_fits_a_step_into_the_swarms_period_and_says_when_it_is_due():
     p = cadence.Pace(free=True)
     for _ in range(8):
@@ -233,3 +258,35 @@ async def test_a_slow_peer_runs_free_and_its_samples_still_count():
     for r in results:
         assert r["steps"] == 40 and r["rounds_timed_out"] == 0
     assert results[0]["param_sketch"] == results[1]["param_sketch"] == rs["param_sketch"]
+
+
+async def test_a_slow_peer_takes_shorter_windows_and_the_swarm_agrees():
+    """Windows of local steps: a peer at a third of the others' speed cuts its first window when
+    their payloads are in, then plans fewer inner steps per window (its payload weighted by its
+    samples), so the windows end when theirs do; the global model stays bit-identical and
+    nothing times out."""
+    kw = dict(steps=32, min_peers=3, sync_every=8)
+    fast = await start_peers(2, **kw)
+    slow = Peer(small_cfg(join=f"127.0.0.1:{fast[0].port}", compute_speed=0.3, free_run=1, **kw),
+                out=lambda line: None)
+    await slow.start()
+    peers = fast + [slow]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*[p.run() for p in peers]), 220)
+        status = slow.status()
+    finally:
+        for p in peers:
+            await p.close()
+    rs = results[2]
+    assert 1 <= rs["window_steps"] < 8 and status["window_steps"] == rs["window_steps"]
+    # its first window, before it had measured one, was cut when the others' payloads were in
+    assert any(e["kind"] == "window" and e["detail"].startswith("window 0:") for e in slow.events)
+    assert not any(e["kind"] == "window" for p in fast for e in p.events)
+    assert results[0]["window_steps"] == results[1]["window_steps"] == 8  # free_run 0 (and fast): whole windows
+    assert 0 < rs["samples"] < results[0]["samples"] == 32 * small_cfg().batch_size  # its samples went out, fewer
+    for r in results:
+        assert r["steps"] == 32 and r["rounds"] == 4 and r["rounds_timed_out"] == 0
+    assert results[0]["param_sketch"] == results[1]["param_sketch"] == rs["param_sketch"]
+    assert torch.equal(fast[0].replica.global_flat, slow.replica.global_flat)
+    # the fast peers' schedule and the slow one's moved alike: its short windows skipped the steps it left out
+    assert slow.replica.lr() == pytest.approx(fast[0].replica.lr(), rel=1e-9)

@@ -22,15 +22,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, Sequence
 
-__all__ = ["cap_stride", "phase", "next_round", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN", "MAX_STRIDE"]
+__all__ = ["cap_stride", "phase", "next_round", "window_steps", "end_window_now", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN",
+           "MAX_STRIDE", "WINDOW_FIT"]
 
 SLOW_FACTOR = 1.5  # compute this x longer than the swarm's median: stop holding rounds up
 FAST_AGAIN = 1.2  # ... and hold them again (wait for each round) once under this x
 MIN_SEEN = 8  # steps of our own timed before we judge
 MAX_STRIDE = 8  # rounds between two payloads of one peer, at most (well under max_staleness)
 MARGIN = 1.2  # a free-running peer declares rounds its compute fits into with this much to spare
+WINDOW_FIT = 1.1  # a window is cut short only for a peer whose inner step is over this x the swarm's
 
 
 def cap_stride(contributors: int, cap: int) -> int:
@@ -56,6 +58,42 @@ def next_round(after: int, stride: int, cap_k: int, ph: int) -> int:
     if cap_k > 1:
         r += (ph - r) % cap_k
     return r
+
+
+def window_steps(h: int, ends: Sequence[float], sent: float, others: float) -> int:
+    """Inner steps this peer takes in its next window of ``h`` (--sync-every), so that it ends when
+    the other contributors' windows do, from the last window measured (seconds from its start):
+    ``ends``, when each of its inner steps ended; ``sent``, when its payload went (after the row
+    pushes); ``others``, when the other contributors' payloads were all in.
+
+    Late (``sent`` after ``others``): the steps that had ended by ``others`` less the time its
+    pushes took after its last step (at least 1): what it computed in the time the others took,
+    measured on this machine as it was (a slow peer sharing cores with fast ones computes faster
+    once they wait, so a rate would overestimate it). Early or on time: its steps scaled by
+    others / sent, up to ``h``, so a window cut short grows back when the peer speeds up. A peer
+    at ``h`` keeps ``h`` while it is late by less than WINDOW_FIT: noise never shortens equal
+    peers' windows. Each peer decides for itself: a window's round is still one payload per
+    contributor, saying the samples behind it, so its contributor set does not depend on this."""
+    last = len(ends)
+    if h < 1 or not 1 <= last <= h:
+        raise ValueError(f"a window of {h} takes 1..{h} inner steps, got {last}")
+    times = [*ends, sent, others]
+    if not all(math.isfinite(t) for t in times) or not 0 < ends[-1] <= sent or others <= 0:
+        return last
+    k = others / sent
+    if last == h and k * WINDOW_FIT >= 1:
+        return h
+    if k >= 1:
+        return max(1, min(h, round(last * k)))
+    deadline = others - (sent - ends[-1])
+    return max(1, sum(1 for e in ends if e <= deadline))
+
+
+def end_window_now(h: int, done: int, others_in: bool) -> bool:
+    """End the window after ``done`` of its ``h`` inner steps, because every other contributor's
+    payload for it is in (``others_in``): the swarm's window is over and it waits for ours. Only
+    with more than WINDOW_FIT's worth of it left, so equal peers do not cut a step or two on noise."""
+    return others_in and 1 <= done < h and (h - done) > (WINDOW_FIT - 1) * h
 
 
 def _median(xs) -> float | None:

@@ -41,6 +41,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "steps": peer.position(),  # optimizer steps (with local steps: inner steps)
         "rounds": peer.book.step,
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
+        "window_steps": peer.window_steps,  # inner steps our last window took (< sync_every: we are slow)
         "bytes_per_sample": bytes_per_sample(peer),
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
@@ -106,6 +107,7 @@ def status(peer: "Peer") -> dict:
         "step": peer.book.step,  # rounds (with local steps: windows)
         "inner_step": peer.position(),
         "sync_every": peer.window,
+        "window_steps": peer.window_steps,
         "overlap": peer.overlap,  # a host group's ranks do not overlap
         "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,

@@ -221,7 +221,9 @@ function render(s) {
     (s.group ? ` · rank ${s.group.rank} of ${s.group.size} (${s.group.backend})` : s.active ? "" : " (idle)") +
     ` · epoch ${sw.epoch ?? 0}` +
     (s.sync_every > 1 ? ` · windows of ${s.sync_every} inner steps${s.overlap ? ", overlapped" : ""}` +
-      ` (inner step ${fmtInt(s.inner_step)})` : s.overlap ? " · rounds overlapped" : "");
+      ` (inner step ${fmtInt(s.inner_step)}` +
+      (s.window_steps && s.window_steps < s.sync_every ? `; this peer is slower: ${fmtInt(s.window_steps)} a window` : "") +
+      ")" : s.overlap ? " · rounds overlapped" : "");
   const t = s.task;
   const lm = !t || t.tokens_per_sample > 0;  // a language model counts tokens, other tasks samples
   $("task").textContent = t ? taskLine(t) : "";
