@@ -83,12 +83,22 @@ def test_a_window_is_cut_short_only_for_a_clearly_late_peer_to_fit_the_others_ti
     assert ws(32, steps(16, 2.0), 33.0, 41.25) == 20  # ... and grows back when it ends early
     assert ws(32, steps(16, 1.0), 17.0, 40.0) == 32  # never more than H
     assert ws(8, steps(8, 10.0), 81.0, 1.0) == 1  # never no step at all
+    # a short window late by noise: one step of 4 behind (25%) is not enough to shorten it
+    assert ws(4, steps(4, 1.0), 4.2, 3.2) == 4 and ws(4, steps(4, 1.0), 4.2, 2.2) == 2
     # times that say nothing: the last window's steps again
     assert ws(32, steps(20, 1.0), 21.0, float("nan")) == 20 and ws(32, steps(20, 1.0), 21.0, -1.0) == 20
     assert ws(32, steps(20, 1.0), 10.0, 30.0) == 20  # a payload before its own last step: not a window's times
     for h, n in ((0, 1), (8, 0), (8, 9)):
         with pytest.raises(ValueError):
             ws(h, steps(n, 1.0), 100.0, 100.0)
+
+
+def test_a_window_is_cut_when_the_others_are_in_with_enough_of_it_left():
+    cut = cadence.end_window_now
+    assert cut(32, 16, True) and not cut(32, 16, False)  # only once every other payload is in
+    assert cut(32, 28, True) and not cut(32, 29, True)  # 4 of 32 left is over a tenth; 3 is not
+    assert cut(4, 2, True) and not cut(4, 3, True)  # at least 2 steps left
+    assert not cut(32, 0, True) and not cut(32, 32, True)  # at least one step, and not past the end
 
 
 def test_pace_stride_fits_a_step_into_the_swarms_period_and_says_when_it_is_due():

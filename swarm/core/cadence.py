@@ -71,8 +71,8 @@ def window_steps(h: int, ends: Sequence[float], sent: float, others: float) -> i
     measured on this machine as it was (a slow peer sharing cores with fast ones computes faster
     once they wait, so a rate would overestimate it). Early or on time: its steps scaled by
     others / sent, up to ``h``, so a window cut short grows back when the peer speeds up. A peer
-    at ``h`` keeps ``h`` while it is late by less than WINDOW_FIT: noise never shortens equal
-    peers' windows. Each peer decides for itself: a window's round is still one payload per
+    at ``h`` keeps ``h`` while it is late by less than WINDOW_FIT or by one step: noise never
+    shortens equal peers' windows. Each peer decides for itself: a window's round is still one payload per
     contributor, saying the samples behind it, so its contributor set does not depend on this."""
     last = len(ends)
     if h < 1 or not 1 <= last <= h:
@@ -81,19 +81,21 @@ def window_steps(h: int, ends: Sequence[float], sent: float, others: float) -> i
     if not all(math.isfinite(t) for t in times) or not 0 < ends[-1] <= sent or others <= 0:
         return last
     k = others / sent
-    if last == h and k * WINDOW_FIT >= 1:
-        return h
     if k >= 1:
         return max(1, min(h, round(last * k)))
     deadline = others - (sent - ends[-1])
-    return max(1, sum(1 for e in ends if e <= deadline))
+    fit = max(1, sum(1 for e in ends if e <= deadline))
+    if last == h and (k * WINDOW_FIT >= 1 or fit >= h - 1):
+        return h  # a whole window late by noise, or by one step: not worth a step of the window
+    return fit
 
 
 def end_window_now(h: int, done: int, others_in: bool) -> bool:
     """End the window after ``done`` of its ``h`` inner steps, because every other contributor's
     payload for it is in (``others_in``): the swarm's window is over and it waits for ours. Only
-    with more than WINDOW_FIT's worth of it left, so equal peers do not cut a step or two on noise."""
-    return others_in and 1 <= done < h and (h - done) > (WINDOW_FIT - 1) * h
+    with more than WINDOW_FIT's worth of it and at least 2 steps left, so equal peers do not cut a
+    step or two on noise."""
+    return others_in and 1 <= done < h and (h - done) > max(1.0, (WINDOW_FIT - 1) * h)
 
 
 def _median(xs) -> float | None:
