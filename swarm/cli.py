@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
     a("--free-run", type=int, choices=(0, 1), help="1: when this peer computes clearly slower than the swarm it stops "
                                                      "waiting for each round and sends the sum of its steps when its "
-                                                     "declared round is due (with --sync-every: takes fewer inner steps a "
-                                                     f"window, so windows end together); 0: it waits, and the others wait for it (default {d.free_run})")
+                                                     "declared round is due (with --sync-every and no --overlap: takes fewer inner "
+                                                     f"steps a window, so windows end together); 0: it waits, and the others wait for it (default {d.free_run})")
     a("--compute-speed", type=float, help="for tests and benchmarks: compute at this fraction of this peer's speed, "
                                           "repeating its forward/backward (the extra passes are discarded) so that "
                                           f"it keeps its CPU share (default {d.compute_speed:g})")

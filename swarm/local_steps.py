@@ -39,6 +39,10 @@ class LocalSteps:
         self.peer = peer
         self.h = peer.cfg.sync_every
         self.overlap = bool(peer.cfg.overlap)
+        # windows end with the others' (a slow peer's are shorter) only without --overlap: there every
+        # window starts when the last round is applied, so the peers' windows start together and
+        # their times compare; overlapped, each peer's next window starts when its own last ended
+        self.fit = bool(peer.cfg.free_run) and not self.overlap
         # our last windows: w -> (its start, when each inner step ended, when its payload went), monotonic s
         self.windows: dict[int, tuple[float, list[float], float]] = {}
 
@@ -90,7 +94,7 @@ class LocalSteps:
                 peer.check_finite(stats, peer.inner_step - 1)
                 peer.record_contribution(stats, None)
                 samples += stats.samples if stats.finite else 0
-                if peer.cfg.free_run and cadence.end_window_now(h, i + 1, self.others_in(w)):
+                if self.fit and cadence.end_window_now(h, i + 1, self.others_in(w)):
                     # the swarm's window is over and waits for us: this step was our last (what
                     # was pulled ahead for the steps left out is dropped below)
                     peer.event("window", f"window {w}: the others' payloads are in; sending after {i + 1} "
@@ -159,10 +163,10 @@ class LocalSteps:
         return asyncio.ensure_future(pull())
 
     def steps_for(self, w: int) -> int:
-        """Inner steps window ``w`` takes: H, or (--free-run 1) what core/cadence.py window_steps
-        makes of the newest of our windows whose round is complete (when our payload went against
-        when the others' were all in)."""
-        if not self.peer.cfg.free_run:
+        """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py
+        window_steps makes of the newest of our windows whose round is complete (when our payload
+        went against when the others' were all in)."""
+        if not self.fit:
             return self.h
         for r in sorted((r for r in self.windows if r < w), reverse=True):
             others = self.peer.pacing.completed_at(r)

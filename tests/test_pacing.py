@@ -101,6 +101,14 @@ def test_a_window_is_cut_when_the_others_are_in_with_enough_of_it_left():
     assert not cut(32, 0, True) and not cut(32, 32, True)  # at least one step, and not past the end
 
 
+def test_windows_fit_the_others_only_when_they_start_together():
+    """The window rules compare a peer's window times with the others': only without --overlap do
+    all windows start together (when a round is applied); --free-run 0 turns them off."""
+    def fit(**kw) -> bool:
+        return Peer(small_cfg(steps=8, sync_every=4, **kw), out=lambda line: None).local_steps.fit
+    assert fit(free_run=1) and not fit(free_run=1, overlap=1) and not fit(free_run=0)
+
+
 def test_pace_stride_fits_a_step_into_the_swarms_period_and_says_when_it_is_due():
     p = cadence.Pace(free=True)
     for _ in range(8):
