@@ -32,7 +32,7 @@ FAST_AGAIN = 1.2  # ... and hold them again (wait for each round) once under thi
 MIN_SEEN = 8  # steps of our own timed before we judge
 MAX_STRIDE = 8  # rounds between two payloads of one peer, at most (well under max_staleness)
 MARGIN = 1.2  # a free-running peer declares rounds its compute fits into with this much to spare
-WINDOW_FIT = 1.1  # a window is cut short only for a peer whose inner step is over this x the swarm's
+WINDOW_FIT = 1.1  # a whole window is shortened only when it ended over this x later than the others' (or cut with over 1 - 1/this of it left)
 
 
 def cap_stride(contributors: int, cap: int) -> int:
