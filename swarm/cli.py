@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "curve on the status page and in the summary (default 0: only at the end)")
     a("--device", help="where the model and each step's rows live: auto (this rank's GPU if torch sees one), "
                        "cpu or cuda (default auto)")
-    a("--backend", help="collectives inside a torchrun host group: auto (nccl on GPUs, gloo otherwise), nccl "
-                        "or gloo (default auto)")
+    a("--backend", help="collectives inside a torchrun host group: auto (nccl when each rank has a GPU of "
+                        "its own, gloo otherwise), nccl or gloo (default auto)")
     a("--group-timeout", type=float, help="seconds a host group's collective waits for the other ranks before "
                                           f"the group gives up (default {d.group_timeout})")
     a("--checkpoint", help="directory for periodic, atomic checkpoints; a peer started on it resumes from it")

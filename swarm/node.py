@@ -239,7 +239,8 @@ class Peer:
         if genv is not None:
             # forming the group blocks until every rank is there: on the training thread, where all
             # of this rank's collectives run
-            comm = await self.work(Comm, genv, pick_backend(self.cfg.backend, device), device, self.cfg.group_timeout)
+            backend = pick_backend(self.cfg.backend, device, genv.world)
+            comm = await self.work(Comm, genv, backend, device, self.cfg.group_timeout)
             self._exit.push_async_callback(asyncio.to_thread, comm.close)
             # "<host>~<rank>": the table map keeps a slot's owners on different hosts (tables/ownership.py);
             # every rank signs with its host's key (the ranks of one host trust each other: docs/security.md)

@@ -18,7 +18,7 @@ from swarm.group.comm import GroupEnv, GroupError, pick_backend, pick_device
 from swarm.group.rows import KEY_BITS, Exchange, GroupRows, pack_keys, unpack_keys
 from swarm.tables import OwnershipMap, TableSpec
 
-from .conftest import ROOT, free_port, join_at, json_summaries
+from .conftest import ROOT, free_port, join_at, json_summaries, rel_l2
 from .test_peer_cli import run_clis
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,6 +26,17 @@ pytestmark = pytest.mark.timeout(300)
 # bench/gpu_check.sh runs these on NCCL and GPUs; CI runs them on gloo and CPUs
 BACKEND = os.environ.get("GROUP_TEST_BACKEND", "gloo")
 DEVICE = os.environ.get("GROUP_TEST_DEVICE", "cpu")
+
+
+def same_model(a: dict, b: dict) -> bool:
+    """Two peers' summaries hold the same model: bit for bit on the same device type; between a GPU
+    and a CPU peer their float arithmetic differs legitimately (docs/design.md, "Replicas compared
+    while training"), so within float rounding (an H200 against a CPU: 4e-9 to 3e-8 relative after
+    20-50 steps; the divergence check itself tolerates 1e-3)."""
+    kinds = {s["task"]["device"].split(":")[0] for s in (a, b)}
+    if len(kinds) == 1:
+        return a["param_sketch"] == b["param_sketch"]
+    return rel_l2(a["param_sketch"], b["param_sketch"]) <= 1e-5
 
 
 def torchrun(n: int) -> list[str]:
@@ -58,6 +69,13 @@ def test_backend_and_device_choice():
     assert pick_backend("gloo", "cpu") == "gloo"
     with pytest.raises(GroupError, match="nccl needs GPU"):
         pick_backend("nccl", "cpu")
+    # ranks that outnumber the GPUs share them: NCCL refuses two ranks on one GPU, so auto takes gloo
+    assert pick_backend("auto", "cuda:0", world=3, gpus=1) == "gloo"
+    assert pick_backend("gloo", "cuda:0", world=3, gpus=1) == "gloo"
+    with pytest.raises(GroupError, match="3 ranks share 1 GPU"):
+        pick_backend("nccl", "cuda:0", world=3, gpus=1)
+    if torch.distributed.is_nccl_available():
+        assert pick_backend("auto", "cuda:1", world=2, gpus=2) == "nccl"
     if not torch.cuda.is_available():
         assert pick_device("auto", 0) == "cpu"
         with pytest.raises(GroupError, match="no CUDA"):
@@ -225,7 +243,7 @@ async def test_a_group_that_lost_rounds_resyncs_every_rank_and_ends_equal(spawn)
     leader, follower = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
     assert sum(leader["resyncs"].values()) >= 1 and sp["resyncs"] == {}, (leader["resyncs"], sp["resyncs"])
     assert all(s["steps"] == int(steps) for s in (leader, follower, sp))
-    assert leader["param_sketch"] == follower["param_sketch"] == sp["param_sketch"]
+    assert leader["param_sketch"] == follower["param_sketch"] and same_model(leader, sp)
     assert leader["group"]["error"] is None and follower["group"]["error"] is None
 
 
@@ -295,7 +313,8 @@ async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
     assert len(ranks) == 2
     for s in (*ranks, sp):
         assert s["steps"] == 20 and s["val_history"][-1][1] < s["val_history"][0][1], s["val_history"]
-        assert s["param_sketch"] == sp["param_sketch"]
+        assert same_model(s, sp)
+    assert ranks[0]["param_sketch"] == ranks[1]["param_sketch"]  # the group's ranks: one device type
     assert sum(s["group"]["rows"]["rows_pulled"] for s in ranks) > 0
     assert sum(s["group"]["rows"]["grads_sent"] for s in ranks) > 0
 
@@ -315,4 +334,5 @@ async def test_a_group_waiting_for_min_peers_joins_the_plain_peer_that_trains_in
     ranks = group.summaries()
     assert len(ranks) == 2
     for s in ranks:
-        assert s["steps"] == 20 and s["param_sketch"] == sp["param_sketch"]
+        assert s["steps"] == 20 and same_model(s, sp)
+    assert ranks[0]["param_sketch"] == ranks[1]["param_sketch"]

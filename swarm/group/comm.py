@@ -72,14 +72,23 @@ def pick_device(requested: str, local_rank: int) -> str:
     return f"cuda:{local_rank % torch.cuda.device_count()}"
 
 
-def pick_backend(requested: str, device: str) -> str:
-    """--backend: 'auto' is NCCL for GPU ranks, gloo otherwise."""
+def pick_backend(requested: str, device: str, world: int = 1, gpus: int | None = None) -> str:
+    """--backend: 'auto' is NCCL for GPU ranks with a GPU each, gloo otherwise. NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected"), so ranks that outnumber the host's ``gpus`` share them
+    through gloo (docs/design.md, "Backend and device")."""
     if requested not in BACKENDS:
         raise GroupError(f"--backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    on_gpu = device.startswith("cuda")
+    if gpus is None:
+        gpus = torch.cuda.device_count() if on_gpu else 0
+    shared = on_gpu and world > gpus
     if requested == "auto":
-        requested = "nccl" if device.startswith("cuda") and dist.is_nccl_available() else "gloo"
-    if requested == "nccl" and not device.startswith("cuda"):
+        requested = "nccl" if on_gpu and not shared and dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and not on_gpu:
         raise GroupError("--backend nccl needs GPU ranks (--device cuda)")
+    if requested == "nccl" and shared:
+        raise GroupError(f"--backend nccl needs one GPU per rank, but {world} ranks share {gpus} GPU(s): "
+                         "use --backend gloo (or auto), or fewer ranks")
     if requested == "nccl" and not dist.is_nccl_available():
         raise GroupError("--backend nccl, but this torch build has no NCCL")
     return requested

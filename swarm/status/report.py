@@ -87,7 +87,7 @@ def task_info(peer: "Peer") -> dict | None:
     if r is None:
         return None
     return {"name": r.task.name, "version": r.task.version, "fingerprint": r.fingerprint,
-            "tokens_per_sample": r.task.tokens_per_sample,
+            "device": str(r.device), "tokens_per_sample": r.task.tokens_per_sample,
             "params": sum(p.numel() for p in r.params), "buffers": sum(b.numel() for b in r.buffers.values()),
             "dense_values": r.manifest.numel, "lr": r.lr(), "nonfinite_losses": r.nonfinite,
             "tables": [{"name": t.name, "path": r.paths[t.name], "rows": t.rows, "dim": t.dim}
