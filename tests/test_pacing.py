@@ -297,8 +297,15 @@ async def test_a_slow_peer_takes_shorter_windows_and_the_swarm_agrees():
             await p.close()
     rs = results[2]
     assert 1 <= rs["window_steps"] < 8 and status["window_steps"] == rs["window_steps"]
-    # its first window, before it had measured one, was cut when the others' payloads were in
-    assert any(e["kind"] == "window" and e["detail"].startswith("window 0:") for e in slow.events)
+    # its first window, before it had measured one, was cut when the others' payloads were in, unless
+    # they came in with fewer than 2 of its steps left (end_window_now leaves those): on 2 shared cores
+    # a fast peer's first window can start late (seen: 0.3 s) and end barely before the slow one's
+    started, ends, _ = slow.local_steps.windows[0]
+    others_in = slow.pacing.completed_at(0)
+    assert others_in is not None
+    if not any(e["kind"] == "window" and e["detail"].startswith("window 0:") for e in slow.events):
+        assert len(ends) == 8 and sum(1 for e in ends if e > others_in) <= 2, (others_in - started,
+                                                                               [e - started for e in ends])
     assert not any(e["kind"] == "window" for p in fast for e in p.events)
     assert results[0]["window_steps"] == results[1]["window_steps"] == 8  # free_run 0 (and fast): whole windows
     assert 0 < rs["samples"] < results[0]["samples"] == 32 * small_cfg().batch_size  # its samples went out, fewer
