@@ -39,6 +39,16 @@ def same_model(a: dict, b: dict) -> bool:
     return rel_l2(a["param_sketch"], b["param_sketch"]) <= 1e-5
 
 
+def failed(plain, group) -> str:
+    """Why the plain peer failed, with the group's own output (killed first if it still runs)."""
+    group.kill()
+    try:
+        group.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    return f"plain peer: {plain.stderr_tail()}\ngroup: {group.stderr_tail()}"
+
+
 def torchrun(n: int) -> list[str]:
     """The torchrun command line; --tee 1 makes each rank's stdout whole lines prefixed "[defaultR]:"."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
@@ -191,7 +201,7 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     # the group, it retries until rank 1 listens)
     plain = spawn(*common, "--device", "cpu", *join_at(port + 1))
     cp, sp = await plain.finish(240)
-    assert cp == 0, plain.stderr_tail()
+    assert cp == 0, failed(plain, group)
     cg, _ = await group.finish(120)
     assert cg == 0, group.stderr_tail()
     ranks = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
@@ -237,7 +247,7 @@ async def test_a_group_that_lost_rounds_resyncs_every_rank_and_ends_equal(spawn)
     finally:
         group.kill(signal.SIGCONT)
     cp, sp = await plain.finish(240)
-    assert cp == 0, plain.stderr_tail()
+    assert cp == 0, failed(plain, group)
     cg, _ = await group.finish(120)
     assert cg == 0, group.stderr_tail()
     leader, follower = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
@@ -306,7 +316,7 @@ async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
                   env={"OMP_NUM_THREADS": "1"}, small=False)
     plain = spawn(*common, "--device", "cpu", *join_at(port), small=False)
     cp, sp = await plain.finish(240)
-    assert cp == 0, plain.stderr_tail()
+    assert cp == 0, failed(plain, group)
     cg, _ = await group.finish(120)
     assert cg == 0, group.stderr_tail()
     ranks = sorted(group.summaries(), key=lambda s: s["group"]["rank"])
@@ -328,7 +338,7 @@ async def test_a_group_waiting_for_min_peers_joins_the_plain_peer_that_trains_in
                   "--device", DEVICE, launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
     plain = spawn("--steps", "20", "--linger", "30", "--device", "cpu", *join_at(port))
     cp, sp = await plain.finish(240)
-    assert cp == 0, plain.stderr_tail()
+    assert cp == 0, failed(plain, group)
     cg, _ = await group.finish(120)
     assert cg == 0, group.stderr_tail()
     ranks = group.summaries()
