@@ -1,13 +1,14 @@
 """Every example task (and the built-in LM) trained by two `python peer.py` peers on one device, as
 tests/test_examples.py trains them, timed: the check to run on a CUDA machine with ``--device cuda``
-(docs/benchmarks.md, "On a GPU"), and on any machine with ``--device cpu``.
+(docs/benchmarks.md, "The examples on a GPU"), and on any machine with ``--device cpu``.
 
 Per task it prints: exit codes, the device the peers said they trained on, inner steps, seconds of
-training (the first peer's summary: evaluations and start-up included), a step's milliseconds
-(the sum of its phases' medians: rows, compute, send, round, apply, after), the median compute ms and the
-share of the step spent waiting on the other peer, the held-out loss before the first step and at the end, and whether the
-two replicas ended bit-identical (param_sketch). The LAST stdout line is one JSON object keyed by
-task name. Bounded: each task gets ``--timeout`` seconds and is killed past that (reported, not hung).
+training (the first peer's summary: evaluations and start-up included), a step's milliseconds (the
+sum of its phases' medians: rows, compute, send, round, apply, after), the median compute ms and
+the share of the step spent waiting on the other peer, the held-out loss before the first step and
+at the end, and whether the two replicas ended bit-identical (param_sketch). The LAST stdout line is
+one JSON object keyed by task name. Bounded: each task gets ``--timeout`` seconds and is killed past
+that (reported, not hung).
 
 Usage: python3 bench/gpu_examples.py [--device cuda|cpu|auto] [--only NAME ...] [--timeout S]
 """
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TASKS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None]] = {
     "bytelm": ((), ("--steps", "60", "--eval-every", "30", "--table-rows", "4096", "--table-slots", "64",
                     "--batch-size", "8", "--eval-batches", "2"), None),
-    # the built-in LM at bench/wan.py's "big" size (5.3M dense parameters): enough compute for a GPU to show
+    # the built-in LM at bench/wan.py's "big" size (5.1M dense parameters): enough compute for a GPU to show
     "bytelm-big": (("--task-arg", "d_model=320", "--task-arg", "layers=4"),
                    ("--steps", "40", "--eval-every", "20", "--table-rows", "4096", "--table-slots", "64",
                     "--batch-size", "16", "--eval-batches", "2"), None),
@@ -97,16 +98,17 @@ def run_task(name: str, device: str, timeout: float, threads: int | None) -> dic
         return res
     s0, s1 = sums
     phases = s0.get("step_phases") or {}
+    # a step's own phases (medians: the first step waits for the other peer; swarm/steptimes.py),
+    # without the evaluations and start-up in "seconds"
+    phases_ms = {k: v["median_ms"] for k, v in phases.items() if isinstance(v, dict)}
     hist = s0.get("val_history") or []
     res.update({
         "device": [(s.get("task") or {}).get("device") for s in sums],
         "steps": s0["steps"], "seconds": s0["seconds"],
         "s_per_step": round(s0["seconds"] / s0["steps"], 4) if s0["steps"] else None,
-        # a step's own phases (medians: the first step waits for the other peer; swarm/steptimes.py),
-        # without the evaluations and start-up in "seconds"
-        "phases_ms": {k: v["median_ms"] for k, v in phases.items() if isinstance(v, dict)},
-        "step_ms": round(sum(v["median_ms"] for v in phases.values() if isinstance(v, dict)), 1),
-        "compute_ms": (phases.get("compute") or {}).get("median_ms"),
+        "phases_ms": phases_ms,
+        "step_ms": round(sum(phases_ms.values()), 1),
+        "compute_ms": phases_ms.get("compute"),
         "wait_share": phases.get("wait_share"),
         "val_first": hist[0][1] if hist else None, "val_last": hist[-1][1] if hist else None,
         "params": (s0.get("task") or {}).get("params"),
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per task before its peers are killed")
     ap.add_argument("--threads", type=int, default=None, help="--threads of each peer (default: the peer's own)")
     a = ap.parse_args()
+    if not a.timeout > 0 or (a.threads is not None and a.threads < 1):
+        sys.exit(f"gpu_examples: --timeout must be > 0 and --threads at least 1, got {a.timeout:g} and {a.threads}")
     if a.device == "cuda":
         import torch
         if not torch.cuda.is_available():

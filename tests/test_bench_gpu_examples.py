@@ -1,6 +1,6 @@
 """bench/gpu_examples.py, the examples' GPU check, run the way CI can: on the CPU, one small task
 (two real `peer.py` processes), its table row and its last JSON line; and a CUDA run asked for on a
-machine without CUDA is refused with one line."""
+machine without CUDA, or bounds that cannot run, are refused with one line."""
 import json
 import subprocess
 import sys
@@ -36,3 +36,11 @@ def test_cuda_without_cuda_is_one_line():
                        timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip() == "gpu_examples: --device cuda, but torch sees no CUDA device (use --device cpu)"
+
+
+def test_bad_bounds_are_one_line():
+    for flags in (["--timeout", "0"], ["--threads", "0"]):
+        r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *flags], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+        assert r.stderr.startswith("gpu_examples: --timeout must be > 0") and len(r.stderr.splitlines()) == 1
