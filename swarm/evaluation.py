@@ -7,13 +7,20 @@ several times. Batches are grouped instead, in order, while the distinct rows of
 under a cap (a bound on the memory the pulled rows take), and each group's rows are pulled once;
 a batch then reads its rows out of its group's. The rows a batch sees are the same either way: a
 pull returns each row as its owner holds it, whichever other ids ride along.
+
+The evaluation before the first step pulls nothing: until round 0 is applied the swarm's model is
+its initial one, whose rows every peer can draw itself (the task's init, per slot, as an owner
+draws a fresh slot's). Pulled, it raced the other peers' first row pushes (a peer that evaluated
+later read rows some peers had already stepped), so peers' first val points differed.
 """
 from __future__ import annotations
+
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["EVAL_PULL_ROWS", "group_batches", "union_ids", "rows_for"]
+__all__ = ["EVAL_PULL_ROWS", "group_batches", "union_ids", "rows_for", "initial_rows"]
 
 EVAL_PULL_ROWS = 1 << 16  # distinct rows (all tables) one evaluation pull may carry: 32 MB of fp32 at dim 128
 
@@ -56,4 +63,32 @@ def rows_for(want: dict[str, np.ndarray], union: dict[str, np.ndarray],
         if len(ids) and (pos.max() >= len(union[t]) or not np.array_equal(union[t][pos], ids)):
             raise ValueError(f"ids of table {t!r} missing from the group's pull")
         out[t] = rows[t].index_select(0, torch.from_numpy(pos.astype(np.int64)))
+    return out
+
+
+def initial_rows(union: Mapping[str, np.ndarray], bounds: Mapping[str, np.ndarray], dims: Mapping[str, int],
+                 inits: Mapping[str, Callable[[int, int], torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """The initial rows of ``union`` ({table: sorted-unique ids}; fp32, in id order), drawn per slot
+    as an owner draws a fresh slot's (``inits[table](lo, hi)``, zeros without one): ``bounds`` is
+    each table's slot layout (ownership.slot_bounds), ``dims`` its row width."""
+    out = {}
+    for t, ids in union.items():
+        ids = np.asarray(ids, np.int64)
+        b, init, dim = bounds[t], inits.get(t), dims[t]
+        rows = torch.zeros(len(ids), dim)
+        if init is None or not len(ids):
+            out[t] = rows
+            continue
+        if ids.min() < 0 or ids.max() >= b[-1]:
+            raise ValueError(f"ids of table {t!r} outside its {int(b[-1])} rows")
+        slots = np.searchsorted(b, ids, side="right") - 1
+        cuts = np.flatnonzero(np.diff(slots)) + 1  # ids are sorted: each slot's ids are one run
+        for run in np.split(np.arange(len(ids)), cuts):
+            s = int(slots[run[0]])
+            lo, hi = int(b[s]), int(b[s + 1])
+            drawn = init(lo, hi)
+            if tuple(drawn.shape) != (hi - lo, dim):
+                raise ValueError(f"table {t!r}: the init of rows {lo}..{hi} has shape {tuple(drawn.shape)}")
+            rows[torch.from_numpy(run)] = drawn.to(torch.float32)[torch.from_numpy(ids[run] - lo)]
+        out[t] = rows
     return out

@@ -43,6 +43,7 @@ from .tables.audit import ReplicaAudit
 from .tables.shard import row_kind
 from .tables.window import WindowRows
 from .tables.http import TableClient
+from .tables.ownership import slot_bounds
 from .tables.service import TableService
 from .outer import OuterConfig
 from .pacing import Pacing
@@ -998,27 +999,35 @@ class Peer:
                                     f"({len(notes)} other peers compared): re-syncing from {donor[:8]}")
 
     async def evaluate_first(self) -> None:
-        """With --eval-every, the held-out curve starts where this peer's training does."""
+        """With --eval-every, the held-out curve starts where this peer's training does (before
+        round 0: on the initial rows, drawn here; swarm/evaluation.py)."""
         if self.cfg.eval_every and not self.progress.val_history:
-            await self._evaluate_now()
+            await self._evaluate_now(initial=self.book.step == 0)
 
-    async def _evaluate_now(self) -> None:
-        v = await self.evaluate()
+    async def _evaluate_now(self, initial: bool = False) -> None:
+        v = await self.evaluate(initial)
         self.progress.val_loss = v
         if v is not None:  # the status page and the summary plot these points
             self.progress.val_history.append((self.book.step, v))
 
-    async def evaluate(self) -> float | None:
-        """Mean loss over the fixed held-out batches, with their rows pulled from the owners
-        (None when the corpus is too small to hold a held-out batch)."""
+    async def evaluate(self, initial: bool = False) -> float | None:
+        """Mean loss over the fixed held-out batches, with their rows pulled from the owners, or
+        (``initial``: the swarm's model before round 0) drawn from the tables' init here (None when
+        the corpus is too small to hold a held-out batch)."""
         if not self.replica.val:
             return None
         val = self.replica.val
         wants = [await self.work(self.replica.rows_of, batch) for batch in val]
+        specs = {s.name: s for s in self.replica.table_specs}
         losses = []
         for group in evaluation.group_batches(wants):  # rows the batches share are pulled once
             union = evaluation.union_ids([wants[i] for i in group])
-            rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype())
+            if initial:
+                rows = await self.work(evaluation.initial_rows, union,
+                                       {t: slot_bounds(specs[t].rows, self.cfg.table_slots) for t in union},
+                                       {t: specs[t].dim for t in union}, self.replica.table_inits)
+            else:
+                rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype())
             for i in group:
                 sub = evaluation.rows_for(wants[i], union, rows)
                 losses.append(await self.work(self.replica.eval_loss, val[i], wants[i], sub))

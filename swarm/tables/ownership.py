@@ -29,7 +29,7 @@ import numpy as np
 
 from swarm.hashing import hash_symbols, mix64
 
-__all__ = ["TableSpec", "OwnershipMap", "Move", "moves", "view_id", "peer_hash", "table_key", "scores", "host_of"]
+__all__ = ["TableSpec", "OwnershipMap", "slot_bounds", "Move", "moves", "view_id", "peer_hash", "table_key", "scores", "host_of"]
 
 HOST_SEP = "~"  # "<host>~<rank>": the ranks of one host group
 
@@ -75,6 +75,15 @@ def view_id(members: Iterable[str]) -> str:
         h.update(len(b).to_bytes(4, "little"))
         h.update(b)
     return h.hexdigest()[:16]
+
+
+def slot_bounds(rows: int, slots: int) -> np.ndarray:
+    """int64 [n + 1], n = min(slots, rows): slot s of a table of ``rows`` rows covers rows
+    [b[s], b[s+1]) (the map's layout, and the ranges a slot's initial rows are drawn for)."""
+    n = min(slots, rows)
+    if rows < 1 or n < 1:
+        raise ValueError(f"a table needs rows >= 1 and slots >= 1, got {rows} and {slots}")
+    return np.arange(n + 1, dtype=np.int64) * rows // n
 
 
 def scores(table: str, slots: np.ndarray, members: Sequence[str]) -> np.ndarray:
@@ -138,8 +147,7 @@ class OwnershipMap:
         """int64 [n_slots + 1]: slot s covers rows [bounds[s], bounds[s+1])."""
         b = self._bounds.get(table)
         if b is None:
-            rows, n = self.spec(table).rows, self.n_slots(table)
-            b = np.arange(n + 1, dtype=np.int64) * rows // n
+            b = slot_bounds(self.spec(table).rows, self.slots)
             b.flags.writeable = False
             self._bounds[table] = b
         return b
