@@ -477,8 +477,10 @@ class Replica:
 
     @torch.no_grad()
     def _optimizer_step(self, vec: torch.Tensor) -> None:
-        """The task's optimizer (then its scheduler) on ``vec``'s gradients; its buffer change added."""
-        views = self.manifest.unflatten(vec)
+        """The task's optimizer (then its scheduler) on ``vec``'s gradients; its buffer change added.
+        ``vec`` goes to the device in one copy, not one per tensor (a GPU step of a small model was
+        its copies' launches)."""
+        views = self.manifest.unflatten(vec.to(self.device))
         for name, p in zip(self.names, self.params):
             p.grad = views[name].to(self.device, p.dtype)
         was = [p.detach().clone() for p in self.params] if self.predict_ahead else None
@@ -511,7 +513,7 @@ class Replica:
 
     @torch.no_grad()
     def _write_local(self, flat: torch.Tensor) -> None:
-        views = self.manifest.unflatten(flat)
+        views = self.manifest.unflatten(flat.to(self.device))  # one copy to the device
         for name, p in zip(self.names, self.params):
             p.copy_(views[name].to(self.device, p.dtype))
         for name in self.flowing:
