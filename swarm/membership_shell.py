@@ -58,7 +58,9 @@ class MembershipShell:
         if not live:  # we have left (we are no live member any more): the map stays as it was
             return
         fetch = await p.table_work(p.tables.set_members, live, time.monotonic())
-        if fetch:
+        if fetch and p.winding_down():  # the run is over for every live peer: nobody reads them
+            p.event("handoff", f"not fetching {len(fetch)} slots: every live peer has finished (view {p.tables.view})")
+        elif fetch:
             p.event("handoff", f"fetching {len(fetch)} slots (view {p.tables.view})")
             p.spawn(p.table_client.fetch(fetch), "handoff")
 

@@ -27,7 +27,7 @@ from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
 from .core import rounds
-from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over
+from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over, winding_down
 from .core.meta import PeerMeta
 from .group.comm import Comm, GroupEnv, pick_backend, pick_device
 from .identity import PeerKey
@@ -389,6 +389,11 @@ class Peer:
         """The other members' parsed metadata: alive ones, or (``live``) alive and suspect ones."""
         ids = self.members.live_ids(include_self=False) if live else self.members.alive_ids(include_self=False)
         return {pid: PeerMeta.parse(m.meta) for pid in ids if (m := self.members.get(pid)) is not None}
+
+    def winding_down(self) -> bool:
+        """We and every live peer have finished the run (core/lifecycle.py winding_down)."""
+        me = self.members.get(self.id)
+        return me is not None and winding_down(PeerMeta.parse(me.meta), self.metas(live=True))
 
     def window_pushers(self) -> set[str]:
         """With local steps, whose row pushes make a window's whole at a primary: every contributor's

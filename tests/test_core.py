@@ -7,7 +7,7 @@ import pytest
 
 from swarm.core import rounds
 from swarm.core.lifecycle import (TRAINING_GRACE, JoinTraining, Lifecycle, LifecycleError, MinPeersGate, Start,
-                                  State, Wait, linger_over)
+                                  State, Wait, linger_over, winding_down)
 from swarm.core.meta import MAX_STEP, PeerMeta
 
 
@@ -112,6 +112,15 @@ def test_lingering_ends_when_every_contributor_and_group_rank_is_done():
     assert not linger_over({"r": meta(grank=1)})  # a rank evaluates too
     assert linger_over({"r": meta(grank=1, done=1)})
     assert linger_over({})
+
+
+def test_a_run_winds_down_when_we_and_every_live_peer_are_done():
+    done = meta(active=1, done=1)
+    assert winding_down(done, {"a": meta(active=1, done=1), "b": meta(active=0)})
+    assert not winding_down(meta(active=1), {"a": done})  # we still train or evaluate
+    assert not winding_down(done, {"a": meta(active=1)})  # a peer still reads rows
+    assert not winding_down(done, {"r": meta(grank=1)})  # a rank of a host group evaluates too
+    assert winding_down(done, {})
 
 
 def test_the_lifecycle_moves_only_along_its_table():

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from swarm.core.meta import PeerMeta
 from swarm.node import Peer
 
 from .conftest import rel_l2, small_cfg
@@ -98,3 +99,37 @@ async def test_stop_leaves_gracefully_and_others_see_left():
     finally:
         await a.close()
         await b.close()
+
+
+async def test_peers_that_finished_do_not_fetch_the_slots_of_one_that_left_first(monkeypatch):
+    # every peer done: the first to leave handed its slots to the others on their way out, and they
+    # fetched them (bytes nobody would read); one peer here lingers 2 s after the others left
+    peers = [await start_peer(steps=4, min_peers=3)]
+    join = f"127.0.0.1:{peers[0].port}"
+    peers += [await start_peer(steps=4, min_peers=3, join=join) for _ in range(2)]
+    last = peers[2]
+    leave, fetched = last.leave, []
+
+    async def when_done() -> None:  # the others leave once they see it done (gossip), not before
+        while not PeerMeta.parse(last.members.get(last.id).meta).done:
+            await asyncio.sleep(0.01)
+        fetched.append((last.tables.stats.slots_fetched, len(last.events)))  # fetched at its join
+
+    async def late_leave() -> None:
+        await asyncio.sleep(2.0)
+        await leave()
+
+    monkeypatch.setattr(last, "leave", late_leave)
+    watch = asyncio.ensure_future(when_done())
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 150)
+        await asyncio.wait_for(watch, 5)
+    finally:
+        watch.cancel()
+        for p in peers:
+            await p.close()
+    assert all(r["steps"] == 4 for r in results)
+    assert last.tables.stats.view_changes > 1  # it saw the others leave and re-cut the map
+    since = [e["detail"] for e in list(last.events)[fetched[0][1]:] if e["kind"] == "handoff"]
+    assert since and all(d.startswith("not fetching") for d in since), since  # no fetch begun since it finished
+    assert results[2]["table_stats"]["slots_fetched"] == fetched[0][0]

@@ -106,6 +106,15 @@ class MinPeersGate:
         return Wait()
 
 
+def winding_down(me: PeerMeta, live: Mapping[str, PeerMeta]) -> bool:
+    """We have finished our steps and evaluated, and so has every other live peer that still
+    trains or evaluates (linger_over): nobody will read a table row again, so the slots that a
+    peer's leaving hands us are not worth fetching (at the end of a run the first peer to leave
+    made every other peer fetch its share of the tables on the way out: 1.1 MB a peer in one
+    bench/wan.py run)."""
+    return me.done and linger_over(live)
+
+
 def linger_over(live: Mapping[str, PeerMeta]) -> bool:
     """After its steps a peer keeps serving rows until every live contributor, and every rank of a
     host group (they evaluate too, though only their leader gossips), has said it is done."""
