@@ -478,8 +478,8 @@ class Replica:
     @torch.no_grad()
     def _optimizer_step(self, vec: torch.Tensor) -> None:
         """The task's optimizer (then its scheduler) on ``vec``'s gradients; its buffer change added.
-        ``vec`` goes to the device in one copy, not one per tensor (a GPU step of a small model was
-        its copies' launches)."""
+        ``vec`` goes to the device in one copy, not one per tensor (on a GPU the small examples'
+        apply took longer than on two CPU cores; the per-tensor copies were the suspect)."""
         views = self.manifest.unflatten(vec.to(self.device))
         for name, p in zip(self.names, self.params):
             p.grad = views[name].to(self.device, p.dtype)
