@@ -1023,14 +1023,15 @@ class Peer:
             return None
         val = self.replica.val
         wants = [await self.work(self.replica.rows_of, batch) for batch in val]
-        specs = {s.name: s for s in self.replica.table_specs}
+        if initial:  # each table's slot layout and row width, as its owners have them
+            specs = self.replica.table_specs
+            bounds = {s.name: slot_bounds(s.rows, self.cfg.table_slots) for s in specs}
+            dims = {s.name: s.dim for s in specs}
         losses = []
         for group in evaluation.group_batches(wants):  # rows the batches share are pulled once
             union = evaluation.union_ids([wants[i] for i in group])
             if initial:
-                rows = await self.work(evaluation.initial_rows, union,
-                                       {t: slot_bounds(specs[t].rows, self.cfg.table_slots) for t in union},
-                                       {t: specs[t].dim for t in union}, self.replica.table_inits)
+                rows = await self.work(evaluation.initial_rows, union, bounds, dims, self.replica.table_inits)
             else:
                 rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype())
             for i in group:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .audit import Digest
-from .ownership import Move, OwnershipMap, TableSpec, moves
+from .ownership import Move, OwnershipMap, TableSpec, moves, slot_bounds
 from .shard import RowOptConfig, ShardError, TableShard
 from .formats import PullRequest, PushRequest, Replay, decode_slot, encode_slot, roundtrip
 from .robust_rows import Levels, Part, combine
@@ -129,6 +129,7 @@ class TableService:
 
     def __post_init__(self) -> None:
         self.by_name = {s.name: s for s in self.specs}
+        self._bounds = {s.name: slot_bounds(s.rows, self.slots) for s in self.specs}  # the map's layout
         self.shards = {s.name: TableShard(s, min(self.slots, s.rows), self.opt, self.inits.get(s.name))
                        for s in self.specs}
         self.map: OwnershipMap | None = None
@@ -595,11 +596,10 @@ class TableService:
             self.stats.slots_created += 1
 
     def _slot_rows(self, table: str, slot: int) -> tuple[int, int]:
-        spec = self.by_name[table]
-        n = min(self.slots, spec.rows)
-        if not 0 <= slot < n:
+        b = self._bounds[table]
+        if not 0 <= slot < len(b) - 1:
             raise ValueError(f"slot {slot} out of range for {table!r}")
-        return slot * spec.rows // n, (slot + 1) * spec.rows // n
+        return int(b[slot]), int(b[slot + 1])
 
     def install_checkpoint(self, slots: dict[str, dict[int, dict[str, torch.Tensor]]]) -> int:
         """Hold the slots of a checkpoint (before the first map). A copy is only a candidate: at

@@ -39,7 +39,7 @@ from typing import Callable, Union
 import numpy as np
 import torch
 
-from .ownership import OwnershipMap, TableSpec
+from .ownership import OwnershipMap, TableSpec, slot_bounds
 
 __all__ = ["RowOptConfig", "TableShard", "ShardError", "state_keys", "per_row", "state_shape", "row_kind",
            "KINDS", "ROW_STATES"]
@@ -121,11 +121,12 @@ class TableShard:
             n = min(int(layout), spec.rows)
             if n < 1:
                 raise ValueError("n_slots must be >= 1")
+            b = slot_bounds(spec.rows, n)  # the ownership map's layout
 
-            def _rows(s, n=n, rows=spec.rows):
+            def _rows(s, n=n, b=b):
                 if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= int(s) < n:
                     raise ValueError(f"slot must be an int in [0, {n}), got {s!r}")
-                return int(s) * rows // n, (int(s) + 1) * rows // n
+                return int(b[s]), int(b[int(s) + 1])
             self._slot_rows = _rows
         elif callable(layout):
             self._slot_rows = layout
