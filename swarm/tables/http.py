@@ -161,16 +161,23 @@ class TableClient:
                     else:
                         rows[table][torch.from_numpy(p)] = got[table]
             todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
-            if not todo or time.monotonic() - t0 > self.timeout:
-                break
             attempt += 1
-            self.stats.retries += 1
-            await asyncio.sleep(min(0.05 * attempt, 0.5))
+            if not todo or not await self._again(t0, attempt):
+                break
         self.stats.pulls += 1
         missing = {t: want[t][pos] for t, pos in todo.items()}
         self.stats.rows_missing += sum(len(v) for v in missing.values())
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
+
+    async def _again(self, t0: float, attempt: int) -> bool:
+        """Whether a pull or push with parts left (begun at ``t0``) tries again: not past ``timeout``;
+        then after a backoff that grows with ``attempt`` (50 ms a try, 0.5 s at most)."""
+        if time.monotonic() - t0 > self.timeout:
+            return False
+        self.stats.retries += 1
+        await asyncio.sleep(min(0.05 * attempt, 0.5))
+        return True
 
     async def pull_from(self, peer: str, sub: dict[str, np.ndarray], view: str, dtype: str | None = None
                          ) -> tuple[dict[str, torch.Tensor] | None, bool]:
@@ -248,11 +255,9 @@ class TableClient:
                     for table, p in sub.items():
                         left.setdefault(table, []).append(p)
             todo = {t: np.sort(np.concatenate(ps)) for t, ps in left.items()}
-            if not todo or time.monotonic() - t0 > self.timeout:
-                break
             attempt += 1
-            self.stats.retries += 1
-            await asyncio.sleep(min(0.05 * attempt, 0.5))
+            if not todo or not await self._again(t0, attempt):
+                break
         if todo or refused:
             self.stats.push_failures += 1
         return not todo and not refused
