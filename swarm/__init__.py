@@ -12,26 +12,35 @@ The public API (README.md, "Bring your own model"; docs/task.md):
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import optim
 from .config import ConfigError, PeerConfig
-from .tables.embedding import ShardedEmbedding
-from .task import Shard, Task, TaskError, UserCodeError, load_task
+from .task_errors import TaskError, UserCodeError
 
 if TYPE_CHECKING:
+    from . import optim
     from .node import Peer
+    from .tables.embedding import ShardedEmbedding
+    from .task import Shard, Task, load_task
 
 __all__ = ["Task", "Shard", "ShardedEmbedding", "PeerConfig", "Peer", "train", "load_task", "TaskError",
            "UserCodeError", "ConfigError", "optim"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "Peer":  # the peer pulls in aiohttp and the whole shell: only when asked for
-        from .node import Peer
+# the names that import torch (or, for Peer, aiohttp and the whole shell) load when first asked
+# for, so that `import swarm` and the command line's flag checks stay torch-free (swarm/task_errors.py)
+_LAZY = {"Peer": "node", "optim": None, "ShardedEmbedding": "tables.embedding", "Shard": "task", "Task": "task",
+         "load_task": "task"}
 
-        return Peer
-    raise AttributeError(f"module 'swarm' has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'swarm' has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def train(task: Task | None = None, *, out=print, **settings: Any) -> dict:

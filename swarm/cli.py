@@ -21,7 +21,7 @@ from . import threads
 from .allocator import keep_freed_memory, limit_arenas
 from .config import ConfigError, PeerConfig, field_names, from_env
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
-from .task import TaskError, UserCodeError, parse_task_args
+from .task_errors import TaskError, UserCodeError, parse_task_args
 
 EPILOG = """Every flag has an environment-variable twin: --batch-size 8 is SWARM_BATCH_SIZE=8.
 A flag on the command line wins over the environment.

@@ -24,24 +24,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from .task_errors import TaskError, TaskTypeError, UserCodeError, parse_task_args
+
 __all__ = ["Task", "Shard", "TaskError", "TaskTypeError", "UserCodeError", "load_task", "call_user",
            "call_with_args", "parse_task_args"]
-
-
-class TaskError(ValueError):
-    """The task is unusable as given; the message names the problem in one line."""
-
-
-class TaskTypeError(TaskError, TypeError):
-    """A task field, or what a task callable returned, has the wrong type."""
-
-
-class UserCodeError(Exception):
-    """The user's own code raised inside ``where`` (its exception is ``__cause__``)."""
-
-    def __init__(self, where: str, exc: BaseException):
-        super().__init__(f"the task's {where} raised {type(exc).__name__}: {exc}")
-        self.where = where
 
 
 def call_user(where: str, fn: Callable, *args: Any) -> Any:
@@ -148,20 +134,6 @@ class Task:
 
 
 # ------------------------------------------------------------------------------------ loading
-
-
-def parse_task_args(items: Iterable[str]) -> dict[str, str]:
-    """["KEY=VALUE", ...] -> {KEY: VALUE} (values still text; load_task converts them)."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise TaskError(f"--task-arg {item!r} is not KEY=VALUE")
-        if key in out:
-            raise TaskError(f"--task-arg {key} is given twice")
-        out[key] = value
-    return out
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -160,6 +160,25 @@ def test_bad_flags_give_one_line_and_exit_2(refused, args, needle):
     assert "Traceback" not in r.stderr
 
 
+def test_flags_are_checked_and_help_printed_without_importing_torch():
+    """`import swarm` and the command line's checks load neither torch nor aiohttp (a refused flag
+    answers before the ~2 s torch import); the public names that need torch load when asked for."""
+    code = ("import sys, swarm, swarm.cli\n"
+            "assert swarm.cli.main(['--ratio', '2']) == 2\n"
+            "loaded = sorted(m for m in ('torch', 'aiohttp', 'numpy') if m in sys.modules)\n"
+            "assert not loaded, loaded\n"
+            "assert isinstance(swarm.Task, type) and swarm.optim.Adam and 'torch' in sys.modules\n"
+            "from swarm.task import TaskError\n"
+            "assert swarm.TaskError is TaskError\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "peer.py: error: --ratio must be in (0, 1], got 2.0"
+    h = subprocess.run([sys.executable, "-c", "import sys, swarm.cli\n"
+                        "try:\n    swarm.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+                        "assert 'torch' not in sys.modules"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert h.returncode == 0 and "--sync-every" in h.stdout, h.stderr
+
+
 def test_bad_environment_variable_is_a_clear_error(refused):
     r = refused["env"]
     assert r.returncode == 2 and "SWARM_BATCH_SIZE" in r.stderr and "Traceback" not in r.stderr
