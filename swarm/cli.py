@@ -49,11 +49,34 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _Version(argparse.Action):
+    """``--version``: what a bug report needs, read without importing torch (package metadata)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        from .bodies import PROTOCOL_VERSION
+
+        def of(dist: str) -> str:
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                return "not installed"
+
+        sys.stdout.write(f"swarm-trainer {of('swarm-trainer')} (protocol {PROTOCOL_VERSION}; "
+                         f"Python {sys.version.split()[0]}; torch {of('torch')})\n")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = PeerConfig()
     p = _Parser(prog="peer.py", description="Run one swarm peer: train together with the peers it finds.",
                 epilog=EPILOG)
     a = p.add_argument
+    a("--version", action=_Version, help="print swarm's version, its wire protocol's, Python's and torch's, and exit")
     a("--host", help=f"address to listen on (default {d.host})")
     a("--port", type=int, help="port to listen on; 0 picks any free port (default 0)")
     a("--advertise", help="host[:port] the other peers should use to reach this one (default: --host)")

@@ -179,6 +179,20 @@ def test_flags_are_checked_and_help_printed_without_importing_torch():
     assert h.returncode == 0 and "--sync-every" in h.stdout, h.stderr
 
 
+def test_version_names_the_package_protocol_python_and_torch():
+    import re
+
+    from swarm.bodies import PROTOCOL_VERSION
+
+    want = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    r = subprocess.run([sys.executable, str(ROOT / "peer.py"), "--version"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith(f"swarm-trainer {want} (protocol {PROTOCOL_VERSION}; Python {sys.version.split()[0]}; "
+                               "torch "), r.stdout
+    assert "not installed" not in r.stdout
+
+
 def test_bad_environment_variable_is_a_clear_error(refused):
     r = refused["env"]
     assert r.returncode == 2 and "SWARM_BATCH_SIZE" in r.stderr and "Traceback" not in r.stderr
