@@ -50,24 +50,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Version(argparse.Action):
-    """``--version``: what a bug report needs, read without importing torch (package metadata)."""
+    """``--version``: what a bug report needs (swarm/versions.py), without importing torch."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from importlib.metadata import PackageNotFoundError, version
+        from .versions import line
 
-        from .bodies import PROTOCOL_VERSION
-
-        def of(dist: str) -> str:
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                return "not installed"
-
-        sys.stdout.write(f"swarm-trainer {of('swarm-trainer')} (protocol {PROTOCOL_VERSION}; "
-                         f"Python {sys.version.split()[0]}; torch {of('torch')})\n")
+        sys.stdout.write(line() + "\n")
         parser.exit(0)
 
 

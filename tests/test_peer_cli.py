@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from swarm.bodies import PROTOCOL_VERSION
+
 from .conftest import ROOT, free_port, join_at, rel_l2
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,6 +28,7 @@ async def test_three_processes_join_train_and_agree(spawn):
         for key in ("peer_id", "first_loss", "final_loss", "val_loss", "bytes_sent", "bytes_received",
                     "dense_bytes", "param_sketch"):
             assert key in summary
+        assert summary["versions"]["protocol"] == PROTOCOL_VERSION and summary["versions"]["torch"] == torch_version()
         assert len(summary["param_sketch"]) == 16
         assert summary["bytes_sent"] <= 0.03 * summary["dense_bytes"]
         phases = summary["step_phases"]  # where the step time went, every step of the run
@@ -179,10 +182,14 @@ def test_flags_are_checked_and_help_printed_without_importing_torch():
     assert h.returncode == 0 and "--sync-every" in h.stdout, h.stderr
 
 
+def torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def test_version_names_the_package_protocol_python_and_torch():
     import re
-
-    from swarm.bodies import PROTOCOL_VERSION
 
     want = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     r = subprocess.run([sys.executable, str(ROOT / "peer.py"), "--version"], cwd=ROOT, capture_output=True,

@@ -11,10 +11,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarm.bodies import PROTOCOL_VERSION
 from swarm.identity import PeerKey
 from swarm.node import Peer
 from swarm.status.routes import STATIC
 from swarm.status.timeline import Series, Timeline
+from swarm.versions import versions
 
 from .conftest import signed, small_cfg
 
@@ -121,6 +123,7 @@ async def test_status_of_a_training_pair_has_everything_the_page_draws(pair):
     s = json.loads(body)
     assert LEGACY_KEYS <= set(s)
     assert {"now", "compression", "swarm", "series", "log"} <= set(s)
+    assert s["versions"] == versions() and s["versions"]["protocol"] == PROTOCOL_VERSION
     t = s["tables"]  # the sharded tables' map, as the page draws it
     assert t["view"] and t["slots"] > 0 and t["owners"] and set(t["by_peer"]) == {a.id, b.id}
     assert s["pull_latency_ms"]["p50"] is not None

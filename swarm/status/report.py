@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..versions import versions
+
 if TYPE_CHECKING:
     from ..node import Peer
 
@@ -38,6 +40,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
     return {
         "peer_id": peer.id,
         "name": peer.cfg.name,
+        "versions": versions(),  # swarm's, the wire protocol's, Python's, torch's (swarm/versions.py)
         "steps": peer.position(),  # optimizer steps (with local steps: inner steps)
         "rounds": peer.book.step,
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
@@ -103,6 +106,7 @@ def status(peer: "Peer") -> dict:
     return {
         "peer_id": peer.id,
         "name": peer.cfg.name,
+        "versions": versions(),
         "addr": peer.addr,
         "step": peer.book.step,  # rounds (with local steps: windows)
         "inner_step": peer.position(),
