@@ -116,6 +116,9 @@ async def test_page_of_a_three_peer_swarm_shows_peers_and_loss_chart_live(tmp_pa
             assert "ngram" in tables and "value" in tables
             assert all(p.id[:8] in tables for p in peers)
             assert (await page.text_content("#pull")).startswith("p50 ")
+            v = a.status()["versions"]  # what this build is, in the footer (swarm/versions.py)
+            assert await page.text_content("#versions") == (f"swarm {v['swarm']} · protocol {v['protocol']} · "
+                                                            f"Python {v['python']} · torch {v['torch']}")
 
             shot = tmp_path / "status.png"
             await page.screenshot(path=str(shot), full_page=True)

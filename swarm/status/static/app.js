@@ -210,6 +210,8 @@ function render(s) {
   document.title = `swarm · ${short(s.peer_id)} · step ${s.step}`;
   $("peer-id").textContent = "peer " + s.peer_id;
   $("peer-addr").textContent = s.addr || "";
+  const v = s.versions;  // "swarm 0.1.0 · protocol 3 · Python 3.11.7 · torch 2.13.0+cpu"
+  $("versions").textContent = v ? `swarm ${v.swarm} · protocol ${v.protocol} · Python ${v.python} · torch ${v.torch}` : "";
   $("updated").textContent = "updated " + fmtClock(s.now || Date.now() / 1000);
   const sw = s.swarm || {};
   const members = s.members || [];
