@@ -116,6 +116,11 @@ async def test_page_of_a_three_peer_swarm_shows_peers_and_loss_chart_live(tmp_pa
             assert "ngram" in tables and "value" in tables
             assert all(p.id[:8] in tables for p in peers)
             assert (await page.text_content("#pull")).startswith("p50 ")
+            # every card's line is whole, none cut at this width (the wire card's bytes per sample)
+            cut = await page.eval_on_selector_all(".card .sub, .card .value", "es => es.filter(e => "
+                                                  "e.scrollWidth > e.clientWidth + 1).map(e => e.id)")
+            assert cut == []
+            assert "sent per sample" in await page.text_content("#c-wire-sub")
             v = a.status()["versions"]  # what this build is, in the footer (swarm/versions.py)
             assert await page.text_content("#versions") == (f"swarm {v['swarm']} · protocol {v['protocol']} · "
                                                             f"Python {v['python']} · torch {v['torch']}")
