@@ -50,7 +50,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Version(argparse.Action):
-    """``--version``: what a bug report needs (swarm/versions.py), without importing torch."""
+    """``--version``: what a bug report needs (swarm/versions.py), without importing torch. Not
+    argparse's own "version" action: that one wants its text when the parser is built, so every
+    start would read the packages' metadata (and import swarm/bodies.py) for a flag rarely given."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
