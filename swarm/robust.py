@@ -41,6 +41,8 @@ RULES = ("mean", "trimmed", "centered-clip")
 MIN_ROBUST = 3  # contributors needed before a robust rule is used (with 2, nobody is a majority)
 CC_ITERS = 3  # CenteredClip iterations
 OUTLIER_FACTOR = 4.0  # a message whose norm exceeds this x the round's median norm is an outlier
+FULL_PENALTY_AT = OUTLIER_FACTOR ** 2  # an outlier this far out (x the median) loses the whole penalty
+MIN_SEVERITY = 0.1  # the share of the penalty that an outlier just over OUTLIER_FACTOR loses
 WEIGHT_CAP = 8.0  # a payload weighs at most this x the round's lower-median samples
 
 
@@ -236,6 +238,32 @@ def _centered_clip(mat: torch.Tensor, iters: int = CC_ITERS, w: Sequence[float] 
 
 # -- scoring -------------------------------------------------------------------------------------
 
+def severity(ratio: float) -> float:
+    """The share of the outlier penalty for a message at ``ratio`` x its round's median norm.
+
+    Honest gradient norms are heavy-tailed: at batch 4 one step in a few hundred has a norm 4-5x
+    its round's median (docs/design.md, "Scores and bans"), while an attack worth banning sends
+    far more than that, every round. So the cost grows with the log of how far past
+    OUTLIER_FACTOR a message is: MIN_SEVERITY just over it, all of it from FULL_PENALTY_AT on
+    (a x100 attacker is banned at its third round, as with a flat penalty)."""
+    if math.isnan(ratio) or ratio >= FULL_PENALTY_AT:  # inf: no norm to go by
+        return 1.0
+    if ratio <= OUTLIER_FACTOR:
+        return MIN_SEVERITY
+    return max(MIN_SEVERITY, math.log(ratio / OUTLIER_FACTOR) / math.log(FULL_PENALTY_AT / OUTLIER_FACTOR))
+
+
+def outlier_ratios(report: Report) -> dict[str, float]:
+    """Each sender's largest message norm over the round's median (empty when the report carries
+    no norms, as the row pushes' reports do: their outliers then lose the whole penalty)."""
+    if not report.norms or not report.median_norm > 0 or len(report.norms) != len(report.senders):
+        return {}
+    out: dict[str, float] = {}
+    for sender, nrm in zip(report.senders, report.norms):
+        out[sender] = max(out.get(sender, 0.0), nrm / report.median_norm)
+    return out
+
+
 BANNED = "banned"  # Peer.offer's verdict for a payload from a banned sender (the route answers 403)
 
 
@@ -315,9 +343,11 @@ class Scoreboard:
         return kept, dropped
 
     def observe(self, report: Report, now: float) -> list[str]:
-        """Score one aggregated round; returns the senders this round got banned."""
+        """Score one aggregated round; returns the senders this round got banned. An outlier loses
+        ``outlier_penalty`` x its ``severity`` (the whole penalty when the report has no norms)."""
         out = set(report.outliers)
         clipped = set(report.clipped)
+        ratio = outlier_ratios(report)
         newly = []
         for sender in dict.fromkeys(report.senders):
             p = self.get(sender)
@@ -325,7 +355,8 @@ class Scoreboard:
                 p.clipped += 1
             if sender in out:
                 p.outliers += 1
-                if self._penalise(p, self.cfg.outlier_penalty, now):
+                cost = self.cfg.outlier_penalty * severity(ratio.get(sender, math.inf))
+                if self._penalise(p, cost, now):
                     newly.append(sender)
         for p in self.peers.values():
             if p.banned_until <= now:

@@ -97,7 +97,9 @@ async def test_one_byzantine_peer_of_five_robust_vs_mean():
     for p in rpeers[:-1]:
         st = p.status()["robust"]
         assert st["peers"][attacker]["bans"] == 1 and st["peers"][attacker]["banned_until"] is not None
-        assert all(v["bans"] == 0 and v["outliers"] == 0 for pid, v in st["peers"].items() if pid != attacker)
+        # honest gradient norms are heavy-tailed: an honest payload may now and then be an outlier of
+        # its round (docs/design.md, "Scores and bans"), at a small cost, but is never banned
+        assert all(v["bans"] == 0 and v["score"] > 0.5 for pid, v in st["peers"].items() if pid != attacker)
         outliers.add(st["peers"][attacker]["outliers"])
     assert len(outliers) == 1 and outliers.pop() >= 1  # the same verdicts on every peer
     assert sum(p.status()["robust"]["refused_banned"] for p in rpeers[:-1]) > 0

@@ -232,6 +232,44 @@ def test_scores_recover_slowly_and_invalid_payloads_count():
     assert sb.banned("b", 21.0) and sb.get("b").invalid == 4
 
 
+def test_an_outlier_loses_more_score_the_further_out_it_is():
+    sev = robust.severity
+    assert sev(robust.OUTLIER_FACTOR) == robust.MIN_SEVERITY  # just over the bar: a tenth
+    assert sev(4.6) == pytest.approx(0.1, abs=0.005)  # an honest spike measured at batch 4
+    assert sev(8.0) == pytest.approx(0.5) and sev(16.0) == 1.0 and sev(100.0) == 1.0
+    assert sev(float("inf")) == 1.0 and sev(float("nan")) == 1.0
+    xs = [4.0 + 0.5 * i for i in range(40)]
+    assert all(sev(a) <= sev(b) for a, b in zip(xs, xs[1:]))  # never cheaper further out
+
+
+def spike_round(scale: float, rnd: int) -> list[Decoded]:
+    """Four senders of equal norm (2.0), ``x`` at ``scale`` x theirs."""
+    return [dense(s, [2.0 * (scale if s == "x" else 1.0), 0.0], rnd) for s in ("a", "b", "c", "x")]
+
+
+def test_an_honest_spike_now_and_then_is_never_banned_an_attacker_still_is():
+    # honest gradient norms are heavy-tailed (docs/design.md): one payload 4.6x its round's median
+    # costs a tenth of the penalty, so even three in a row leave the sender far from a ban
+    sb = Scoreboard()
+    for rnd in range(3):
+        _, rep = agg(spike_round(4.6, rnd), RobustConfig())
+        assert rep.outliers == ["x"]
+        assert sb.observe(rep, float(rnd)) == []
+    assert sb.get("x").score == pytest.approx(1.0 - 3 * 0.3 * robust.severity(4.6) + 3 * 0.01) and sb.get("x").outliers == 3
+    # a x100 attacker is banned at its third round, as with the flat penalty
+    sb = Scoreboard()
+    bans = [sb.observe(agg(spike_round(100.0, rnd), RobustConfig())[1], float(rnd)) for rnd in range(3)]
+    assert bans == [[], [], ["x"]]
+    # x8: half the penalty a round, banned at its sixth; a late payload counts at its own norm
+    sb = Scoreboard()
+    rounds = 0
+    while not sb.banned("x", float(rounds)):
+        cs = spike_round(1.0, rounds) + ([dense("x", [16.0, 0.0], rounds - 1)] if rounds else [dense("x", [16.0, 0.0])])
+        sb.observe(agg(cs[:3] + cs[4:], RobustConfig())[1], float(rounds))
+        rounds += 1
+    assert rounds == 6
+
+
 def test_ban_seconds_zero_disables_banning():
     sb = Scoreboard(ScoreConfig(ban_seconds=0.0))
     for t in range(5):
