@@ -260,14 +260,16 @@ def test_an_honest_spike_now_and_then_is_never_banned_an_attacker_still_is():
     sb = Scoreboard()
     bans = [sb.observe(agg(spike_round(100.0, rnd), RobustConfig())[1], float(rnd)) for rnd in range(3)]
     assert bans == [[], [], ["x"]]
-    # x8: half the penalty a round, banned at its sixth; a late payload counts at its own norm
+    # x8: half the penalty a round, banned at its sixth
     sb = Scoreboard()
     rounds = 0
     while not sb.banned("x", float(rounds)):
-        cs = spike_round(1.0, rounds) + ([dense("x", [16.0, 0.0], rounds - 1)] if rounds else [dense("x", [16.0, 0.0])])
-        sb.observe(agg(cs[:3] + cs[4:], RobustConfig())[1], float(rounds))
+        sb.observe(agg(spike_round(8.0, rounds), RobustConfig())[1], float(rounds))
         rounds += 1
     assert rounds == 6
+    # a sender with an on-time and a late payload in one round is scored by the larger of the two
+    _, rep = agg(spike_round(1.0, 5) + [dense("x", [16.0, 0.0], 4)], RobustConfig())
+    assert rep.outliers == ["x"] and robust.outlier_ratios(rep)["x"] == 8.0
 
 
 def test_ban_seconds_zero_disables_banning():
