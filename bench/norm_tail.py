@@ -104,8 +104,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the first run's swarm seed (the model's init); run i uses seed + i")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     a = ap.parse_args()
-    if a.peers < robust.MIN_ROBUST or a.runs < 1 or a.steps < 1 or a.batch_size < 1:
-        ap.error(f"need --peers >= {robust.MIN_ROBUST} (the robust rules' minimum) and positive --runs, --steps, --batch-size")
+    if a.peers < robust.MIN_ROBUST or a.runs < 1 or a.steps < 1 or a.batch_size < 1 or not a.timeout > 0:
+        ap.error(f"need --peers >= {robust.MIN_ROBUST} (the robust rules' minimum) and positive --runs, --steps, "
+                 "--batch-size, --timeout")
     torch.set_num_threads(1)
     ratios: list[float] = []
     runs = []

@@ -19,7 +19,8 @@ def test_norm_tail_measures_a_short_clean_run():
     assert 0 < last["p50"] <= last["p99"] <= last["max"] == run["max"]
 
 
-def test_norm_tail_refuses_too_few_peers_in_one_line():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "norm_tail.py"), "--peers", "2"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 2 and "Traceback" not in out.stderr and "--peers >= 3" in out.stderr
+def test_norm_tail_refuses_bad_flags_in_one_line():
+    for argv in (["--peers", "2"], ["--timeout", "0"], ["--runs", "0"]):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "norm_tail.py"), *argv],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and "--peers >= 3" in out.stderr, argv
