@@ -321,7 +321,7 @@ class Peer:
                                         complete_pushes=self.window_pushers if self.window > 1 else None)
         if self.window > 1:
             self.table_client.use_held(self.cfg.held_rows)
-        self._exit.callback(self.table_client.batcher.close)
+        self._exit.callback(self.table_client.close)
         self.out(f"listening on {scheme}://{bracket_host(self.cfg.host)}:{port} as peer {self.id} "
                  f"(task {self.replica.task.name}: {self.replica.manifest.numel / 1e6:.2f}M dense values{self._tables_line()})")
         if self.key_origin:

@@ -138,8 +138,8 @@ def test_replays_of_every_table_travel_in_one_message(dtype):
 def test_replica_round_trip_applies(kind):
     sh, upd = shard_with_update(kind)
     data = encode_replica("ngram", upd, VIEW, "a:7")
-    table, out, view, key = decode_replica(data, TABLES, kind=kind)
-    assert (table, view, key) == ("ngram", VIEW, "a:7")
+    table, out, view, key, mode = decode_replica(data, TABLES, kind=kind)
+    assert (table, view, key, mode) == ("ngram", VIEW, "a:7", "heal")
     assert set(out) == set(upd) and all(torch.equal(out[k], upd[k]) for k in upd)
     rep = TableShard(TABLES["ngram"], OM, RowOptConfig(kind=kind))
     for s in range(64):
@@ -149,6 +149,22 @@ def test_replica_round_trip_applies(kind):
     other = "adagrad" if kind == "adam" else "adam"
     with pytest.raises(WireError):
         decode_replica(data, TABLES, kind=other)
+
+
+def test_a_replica_update_says_whether_it_heals_or_catches_up():
+    _, upd = shard_with_update()
+    assert decode_replica(encode_replica("ngram", upd, VIEW, "a:7", "catch-up"), TABLES)[4] == "catch-up"
+    with pytest.raises(WireError, match="replica mode"):
+        encode_replica("ngram", upd, VIEW, "a:7", "overwrite")
+    # an update without a mode (a peer before modes) is a heal; an unknown mode or key is refused
+    blob = encode_replica("ngram", upd, VIEW, "a:7")
+    tensors = safetensors.torch.load(blob)
+    meta = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])["__metadata__"]
+    del meta["mode"]
+    assert decode_replica(safetensors.torch.save(tensors, metadata=meta), TABLES)[4] == "heal"
+    for bad in ({**meta, "mode": "overwrite"}, {**meta, "mode": "heal", "extra": "1"}):
+        with pytest.raises(WireError):
+            decode_replica(safetensors.torch.save(tensors, metadata=bad), TABLES)
 
 
 def test_slot_round_trip():

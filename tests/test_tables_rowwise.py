@@ -122,7 +122,7 @@ def test_replica_updates_replays_and_wire_carry_the_rowwise_state(kind):
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         upd = prim.apply_grads(np.array([0, 3, 500, 999]), torch.randn(4, 8, generator=gen))
-        table, out, _, _ = decode_replica(encode_replica("ngram", upd, OM.view, "k:1"), {"ngram": SPEC}, kind=kind)
+        table, out, _, _, _ = decode_replica(encode_replica("ngram", upd, OM.view, "k:1"), {"ngram": SPEC}, kind=kind)
         rep.apply_replica_update(out)
     assert all(prim.checksum(s) == rep.checksum(s) for s in range(64))
     # a state with the per-row tensor of the wrong shape, negative, or another kind's, is refused

@@ -374,3 +374,33 @@ async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queue
     assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
     assert svc.stats.flushes == 1 and svc.stats.pushes_applied == 2
     batcher.close()
+
+
+def test_a_catch_up_never_rolls_back_a_row_a_newer_replay_reached():
+    """A catch-up (rows whose replay did not land) may arrive after a later replay reached some of
+    them: those rows keep the newer update; a heal overwrites whatever it finds."""
+    svcs = services()
+    m = svcs["p-a"].map
+    ids = np.arange(0, 256, 7)
+    prim, sub = next((o, s) for o, s in m.plan("ngram", ids).items() if len(s) >= 4)
+    lost = svcs[prim].apply_push(PushRequest(view=m.view, key="c:1", ids={"ngram": sub},
+                                             grads={"ngram": torch.full((len(sub), 8), 0.5)}))
+    replica, (rp,) = max(lost.items(), key=lambda kv: len(kv[1][0].ids))  # its replay never reaches it
+    assert len(rp.ids) >= 3
+    snapshot = svcs[prim].full_state("ngram", rp.ids)  # what a catch-up read after the lost replay
+    # the next flush touches the first two rows; its replay finds them stale and the heal brings
+    # them up to date, after the catch-up was read but before it lands
+    svcs[prim].apply_push(PushRequest(view=m.view, key="c:2", ids={"ngram": rp.ids[:2]},
+                                      grads={"ngram": torch.full((2, 8), 0.25)}))
+    svcs[replica].apply_replica("ngram", svcs[prim].full_state("ngram", rp.ids[:2]), m.view, "c:2")
+    assert svcs[replica].apply_replica("ngram", snapshot, m.view, "c:1", "catch-up") is True
+    assert svcs[replica].stats.replica_rows_newer == 2
+    rep, pri = svcs[replica].shards["ngram"], svcs[prim].shards["ngram"]
+    assert torch.equal(rep.read_state(rp.ids)["rows"], pri.read_state(rp.ids)["rows"])  # none rolled back
+    assert rep.steps(rp.ids).tolist() == pri.steps(rp.ids).tolist() == [2, 2] + [1] * (len(rp.ids) - 2)
+    # a catch-up of rows all newer here changes nothing; a heal of them overwrites (the primary's word)
+    before = rep.read_state(rp.ids[:2])
+    svcs[replica].apply_replica("ngram", {k: v[:2] for k, v in snapshot.items()}, m.view, "c:1", "catch-up")
+    assert all(torch.equal(v, rep.read_state(rp.ids[:2])[k]) for k, v in before.items())
+    svcs[replica].apply_replica("ngram", {k: v[:2] for k, v in snapshot.items()}, m.view, "c:1", "heal")
+    assert rep.steps(rp.ids[:2]).tolist() == [1, 1]

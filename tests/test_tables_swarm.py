@@ -29,10 +29,11 @@ async def until(cond, timeout: float = 30.0, what: str = "condition") -> None:
 
 
 def settled(peers: list[Peer]) -> bool:
-    """Every peer has the same view over exactly these peers, and no hand-off is pending."""
+    """Every peer has the same view over exactly these peers, and no hand-off or replica catch-up
+    is pending."""
     ids = sorted(p.id for p in peers)
     return all(p.tables.map is not None and list(p.tables.map.members) == ids and not p.tables.moving
-               for p in peers)
+               and not len(p.table_client.owed) for p in peers)
 
 
 def holders(peers: list[Peer], table: str, slot: int) -> list[Peer]:
@@ -147,6 +148,50 @@ async def test_a_replica_behind_on_some_rows_gets_the_rest_replayed_and_only_tho
             await p.close()
 
 
+async def test_a_replica_a_replay_did_not_reach_is_caught_up_in_the_background():
+    """A replay that does not land (the replica timed out, was unreachable or on another view for
+    a moment) leaves the replica's rows behind; the primary owes them their full state and sends
+    it until the replica takes it, so a crash of the primary then would lose nothing."""
+    from swarm.transport import PeerUnreachable
+
+    peers = await start_peers(2, replicas=2, row_dtype="fp32")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        a, b = peers
+        mine = a.tables.map.plan("ngram", np.arange(a.cfg.table_rows))[a.id][:300]  # a primary, b replica
+        down = {"replays": True, "catch_ups": 2}  # replays fail; so do the first two catch-ups
+        real = a.transport.request
+
+        async def flaky(method, url, **kw):
+            if url.endswith("/v1/rows/replay") and down["replays"]:
+                raise PeerUnreachable(url, "dropped by the test")
+            if url.endswith("/v1/rows/replica") and down["catch_ups"] > 0:
+                down["catch_ups"] -= 1
+                raise PeerUnreachable(url, "dropped by the test")
+            return await real(method, url, **kw)
+
+        a.transport.request = flaky
+        rng = np.random.default_rng(4)
+        g = torch.from_numpy(rng.standard_normal((len(mine), 128)).astype(np.float32)) * 0.01
+        assert await b.table_client.push({"ngram": (mine, g)}, key=f"{b.id}:1")
+        down["replays"] = False
+        slots = np.unique(a.tables.map.slot_of("ngram", mine)).tolist()
+        assert a.table_client.status()["rows_owed"] == {b.id: len(mine)}
+        assert any(a.tables.shards["ngram"].checksum(s) != b.tables.shards["ngram"].checksum(s) for s in slots)
+        # a second push of half the rows replays fine while the first is still owed
+        half = mine[::2]
+        assert await b.table_client.push({"ngram": (half, g[::2])}, key=f"{b.id}:2")
+        await until(lambda: not len(a.table_client.owed), what="the catch-up to land")
+        assert down["catch_ups"] == 0 and a.table_client.stats.rows_caught_up > 0
+        assert a.table_client.status()["rows_owed"] == {}
+        for s in slots:
+            assert a.tables.shards["ngram"].checksum(s) == b.tables.shards["ngram"].checksum(s), s
+        assert b.tables.shards["ngram"].steps(mine).tolist() == [2 if i % 2 == 0 else 1 for i in range(len(mine))]
+    finally:
+        for p in peers:
+            await p.close()
+
+
 async def test_a_crashed_peer_loses_no_rows_with_two_replicas():
     peers = await start_peers(4, replicas=2)
     try:
@@ -160,6 +205,8 @@ async def test_a_crashed_peer_loses_no_rows_with_two_replicas():
         omap = peers[0].tables.map
         written = {(t, s): holders(peers, t, s)[0].tables.shards[t].checksum(s)
                    for t in TABLES for s in range(omap.n_slots(t))}
+        for (t, s), checksum in written.items():  # every replica holds what its primary wrote
+            assert all(h.tables.shards[t].checksum(s) == checksum for h in holders(peers, t, s)), (t, s)
         victim, survivors = peers[2], [p for i, p in enumerate(peers) if i != 2]
         await victim.close()  # a crash: no leave message, the socket just goes away
         await until(lambda: settled(survivors), timeout=60, what="the survivors to re-own the victim's slots")

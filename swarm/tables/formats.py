@@ -619,10 +619,18 @@ def _state_tensors(tensors: dict[str, torch.Tensor], fixed: set[str], n: int | N
     return out, n
 
 
-def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: str) -> bytes:
-    """A primary's apply_grads() result, for a replica of `table`."""
+REPLICA_MODES = ("heal", "catch-up")
+
+
+def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: str, mode: str = "heal") -> bytes:
+    """Rows' full state (TableShard.read_state()) from their primary, for a replica of `table`.
+    ``mode``: "heal" overwrites (the primary saw the replica's counters differ and answers with its
+    rows); "catch-up" overwrites only rows whose counter is not ahead of the update's (it may
+    arrive after a newer replay: swarm/tables/owed.py)."""
     _check_view(view)
     _check_key(key)
+    if mode not in REPLICA_MODES:
+        raise WireError(f"replica mode must be one of {list(REPLICA_MODES)}, got {str(mode)[:20]!r}")
     if not isinstance(update, dict) or "ids" not in update or not isinstance(update["ids"], torch.Tensor):
         raise WireError("replica update needs an 'ids' tensor")
     ids = _ids_in(update["ids"], 1 << 31, "replica update")
@@ -632,17 +640,21 @@ def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: 
     dim = rest["rows"].shape[-1] if isinstance(rest["rows"], torch.Tensor) and rest["rows"].dim() == 2 else -1
     out, _ = _state_tensors(rest, {"rows", "step"}, ids.size, dim, "replica update")
     out["ids"] = torch.from_numpy(ids.astype(np.int32))
-    return _save(out, {"v": str(VERSION), "table": table, "view": view, "key": key})
+    return _save(out, {"v": str(VERSION), "table": table, "view": view, "key": key, "mode": mode})
 
 
 @_guard
 def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | None = None
-                   ) -> tuple[str, dict[str, torch.Tensor], str, str]:
-    """-> (table, {"ids" int64, "rows", state..., "step" int64}, view, key). `kind` (one of
-    shard.KINDS) pins the optimizer state expected; None accepts any."""
+                   ) -> tuple[str, dict[str, torch.Tensor], str, str, str]:
+    """-> (table, {"ids" int64, "rows", state..., "step" int64}, view, key, mode). `kind` (one of
+    shard.KINDS) pins the optimizer state expected; None accepts any. An update without a mode
+    (an earlier peer's) is a heal."""
     tables = _tables(tables)
     blob = _Blob(data)
-    _meta(blob.meta, {"v", "table", "view", "key"})
+    _meta(blob.meta, {"v", "table", "view", "key", "mode"} if "mode" in blob.meta else {"v", "table", "view", "key"})
+    mode = blob.meta.get("mode", "heal")
+    if mode not in REPLICA_MODES:
+        raise WireError(f"replica mode must be one of {list(REPLICA_MODES)}, got {mode[:20]!r}")
     spec = _spec(tables, blob.meta["table"])
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
     k = _kind_of(set(blob.entries), {"ids", "rows", "step"}, kind)
@@ -657,7 +669,7 @@ def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | Non
         out[name] = blob.get(name, ("F32",), state_shape(name, n, spec.dim))
     out["step"] = blob.get("step", ("I64",), (n,))
     _check_state(out, k, "replica update")
-    return spec.name, out, view, key
+    return spec.name, out, view, key, mode
 
 
 def encode_slot(table: str, slot: int, tensors: dict[str, torch.Tensor], view: str) -> bytes:

@@ -7,7 +7,8 @@ Routes (docs/protocol.md, "Sharded tables"):
   POST /v1/rows/push     PushRequest (safetensors) -> JSON, after the replicas acknowledged
   POST /v1/rows/replay   a primary's applied flush, every table, replayed by a replica (safetensors)
                          -> JSON {applied, stale: {table: [row id, ...]}}
-  POST /v1/rows/replica  full-state replica update of the rows a replay found stale (safetensors) -> JSON
+  POST /v1/rows/replica  full-state replica update (safetensors) -> JSON: a heal of the rows a replay
+                         found stale, or a catch-up of rows whose replay did not land (tables/owed.py)
   POST /v1/rows/slots    {"table", "slots": [..]} (msgpack) -> {"slots": [slot blob, ...]} (msgpack)
   POST /v1/rows/digests  {"table", "view", "slots": [..]} (msgpack) -> {"digests": [[count, checksum] | None]}
 
@@ -32,6 +33,7 @@ from ..transport import PeerUnreachable, Transport
 from ..bodies import INLINE_BYTES, SENDER, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
+from .owed import Debt, OwedRows
 from .ownership import Move
 from .service import FRESH, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
 from .shard import ShardError
@@ -44,6 +46,8 @@ log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
 MAX_IDS = 1 << 22  # ids in one pull or push request
 SLOTS_PER_REQUEST = 64
+CATCH_UP_ROWS = 2048  # rows per catch-up request (~3 MB of Adam state at dim 128: seconds on a slow link)
+CATCH_UP_FIRST_S, CATCH_UP_MAX_S = 0.5, 10.0  # a catch-up round's wait: doubles while none lands
 
 
 @dataclass
@@ -58,6 +62,8 @@ class RowStats:
     push_failures: int = 0
     retries: int = 0
     rows_healed: int = 0  # replica rows a replay found stale, sent in full state (as a primary)
+    rows_owed: int = 0  # replica rows whose replay did not land, owed a catch-up (as a primary), in all
+    rows_caught_up: int = 0  # ... of which the replica acknowledged the catch-up
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
 
     def percentiles(self) -> dict[str, float | None]:
@@ -111,6 +117,9 @@ class TableClient:
         # ban here must not change the dense rounds it takes (those are the same on every peer)
         self.scores = robust.Scoreboard(robust.ScoreConfig(ban_seconds=ban_seconds))
         self.event = event
+        # replica rows whose replay did not land, and the task that catches them up (tables/owed.py)
+        self.owed = OwedRows()
+        self._catching_up: asyncio.Task | None = None
 
     # -- pull ---------------------------------------------------------------------------------
     def use_held(self, cap: int) -> None:
@@ -451,12 +460,75 @@ class TableClient:
                 log.warning("banned %s", msg)
         return newly
 
+    # -- replicas a replay did not reach (swarm/tables/owed.py) ---------------------------------
+    def owe(self, peer: str, table: str, ids: np.ndarray) -> None:
+        """``peer``'s replica of these rows missed their last update: catch it up in the background."""
+        self.owed.add(peer, table, ids)
+        self.stats.rows_owed += len(ids)
+        if self._catching_up is None or self._catching_up.done():
+            self._catching_up = asyncio.ensure_future(self._catch_up_loop())
+
+    async def _catch_up_loop(self) -> None:
+        """Catch-up rounds until nothing is owed: at once after a round that landed rows, else
+        after a wait that doubles (a replica that is down is soon out of the map, its debt with it)."""
+        delay = CATCH_UP_FIRST_S
+        while len(self.owed):
+            await asyncio.sleep(delay)
+            try:
+                landed = await self.catch_up()
+            except Exception:  # a bug: keep the debt and try again later rather than lose the task
+                log.exception("catching replicas up failed")
+                landed = 0
+            delay = CATCH_UP_FIRST_S if landed else min(2 * delay, CATCH_UP_MAX_S)
+
+    async def catch_up(self) -> int:
+        """One round: every replica still owed rows gets their full state, in the current view;
+        returns the rows it acknowledged. A replica keeps what a newer replay gave it meanwhile
+        (TableService.apply_replica, mode "catch-up")."""
+        omap = self.service.map
+        debts = self.owed.due(omap, self.self_id)
+        if not debts:
+            return 0
+        return sum(await asyncio.gather(*(self._pay(d, omap.view) for d in debts)))
+
+    async def _pay(self, debt: Debt, view: str) -> int:
+        addr = self.addr_of(debt.peer)
+        if addr is None:
+            return 0
+        landed = 0
+        for i in range(0, len(debt.ids), CATCH_UP_ROWS):
+            ids = debt.ids[i:i + CATCH_UP_ROWS]
+            try:
+                state = await self.work(self.service.full_state, debt.table, ids)
+            except (Moving, NotPrimary, ShardError):  # the map moved on meanwhile: the next round sees
+                return landed
+            body = await asyncio.to_thread(encode_replica, debt.table, state, view,
+                                           f"catch-up-{self.self_id[:16]}:{debt.gen}", "catch-up")
+            try:
+                await self.transport.request("POST", addr + "/v1/rows/replica", to=debt.peer, body=body, timeout=30.0,
+                                             content_type="application/octet-stream", kind="replica",
+                                             reply_kind="replica")
+            except PeerUnreachable:
+                return landed
+            n = self.owed.settle(debt.peer, debt.table, ids, debt.gen)
+            self.stats.rows_caught_up += n
+            landed += n
+        return landed
+
+    def close(self) -> None:
+        """Stop the background work: the push batcher and the catch-up (what is owed is dropped)."""
+        self.batcher.close()
+        if self._catching_up is not None:
+            self._catching_up.cancel()
+
     def status(self) -> dict:
         s = self.stats
         return {"pulls": s.pulls, "rows_pulled_remote": s.rows_pulled_remote, "rows_read_local": s.rows_read_local,
                 "rows_offered": s.rows_offered, "rows_reused": s.rows_reused, "rows_held": self.held.rows() if self.held is not None else 0,
                 "rows_missing": s.rows_missing, "pushes_sent": s.pushes_sent, "push_failures": s.push_failures,
-                "retries": s.retries,
+                "retries": s.retries, "rows_healed": s.rows_healed,
+                # as a primary: replica rows whose replay did not land and are not caught up yet, by replica
+                "rows_owed": self.owed.by_peer(), "rows_caught_up": s.rows_caught_up,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
                 "push_scores": self.scores.status(time.monotonic(), time.time() - time.monotonic())}
 
@@ -580,6 +652,13 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
     the others (it missed an update: a join's fetch, a lost replay) in its reply; those rows alone
     get their full state, one request per table."""
     async def one(peer: str, rps: list[Replay], body: bytes) -> bool:
+        ok = await deliver(peer, rps, body)
+        if not ok:  # (some of) these rows may be behind there: owed a catch-up (swarm/tables/owed.py)
+            for rp in rps:
+                client.owe(peer, rp.table, rp.ids)
+        return ok
+
+    async def deliver(peer: str, rps: list[Replay], body: bytes) -> bool:
         addr = client.addr_of(peer)
         if addr is None:
             return False
