@@ -1064,6 +1064,9 @@ class Peer:
             t0 = time.monotonic()
             while any(not q.empty() for q in self._outboxes.values()) and time.monotonic() - t0 < 3.0:
                 await asyncio.sleep(0.05)
+            # our replicas are about to take over our slots: the rows a replay missed go first
+            if self.table_client is not None and not await self.table_client.pay_debts(within=3.0):
+                self.event("rows-owed", f"left with {len(self.table_client.owed)} replica rows not caught up")
             actions = self.members.leave(time.monotonic())
             await asyncio.gather(*(self.shell.carry_out(a) for a in actions), return_exceptions=True)
             self.event("left", "")

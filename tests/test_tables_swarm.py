@@ -192,6 +192,37 @@ async def test_a_replica_a_replay_did_not_reach_is_caught_up_in_the_background()
             await p.close()
 
 
+async def test_a_leaving_primary_catches_its_replicas_up_before_it_goes():
+    from swarm.transport import PeerUnreachable
+
+    peers = await start_peers(2, replicas=2, row_dtype="fp32")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        a, b = peers
+        mine = a.tables.map.plan("value", np.arange(a.cfg.table_rows))[a.id][:200]
+        real = a.transport.request
+        drop = {"replays": True}
+
+        async def flaky(method, url, **kw):
+            if url.endswith("/v1/rows/replay") and drop["replays"]:
+                raise PeerUnreachable(url, "dropped by the test")
+            return await real(method, url, **kw)
+
+        a.transport.request = flaky
+        g = torch.full((len(mine), 128), 0.01)
+        assert await b.table_client.push({"value": (mine, g)}, key=f"{b.id}:1")
+        assert len(a.table_client.owed) == len(mine)
+        want = a.tables.shards["value"].read_state(mine)
+        await a.leave()  # before the background catch-up's first round (0.5 s after the failure)
+        got = b.tables.shards["value"].read_state(mine)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        assert a.table_client.stats.rows_caught_up == len(mine)
+        assert not [e for e in a.events if e["kind"] == "rows-owed"]
+    finally:
+        for p in peers:
+            await p.close()
+
+
 async def test_a_crashed_peer_loses_no_rows_with_two_replicas():
     peers = await start_peers(4, replicas=2)
     try:

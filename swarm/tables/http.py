@@ -491,6 +491,15 @@ class TableClient:
             return 0
         return sum(await asyncio.gather(*(self._pay(d, omap.view) for d in debts)))
 
+    async def pay_debts(self, within: float) -> bool:
+        """Catch-up rounds for at most ``within`` seconds, until nothing is owed (a peer about to
+        leave: its replicas are about to be promoted in its place); True when nothing is."""
+        t0 = time.monotonic()
+        while len(self.owed) and time.monotonic() - t0 < within:
+            if not await self.catch_up():
+                await asyncio.sleep(0.1)
+        return not len(self.owed)
+
     async def _pay(self, debt: Debt, view: str) -> int:
         addr = self.addr_of(debt.peer)
         if addr is None:
