@@ -8,11 +8,18 @@ small configuration by default: batch 4, 4096-row tables, one torch thread each)
 runs of STEPS steps, and every round each peer takes is logged (a Peer subclass reads
 ``last_report`` after ``apply_round``). Each round counts once (the first peer that took it).
 
+The row pushes have the same bar (swarm/tables/robust_rows.py): a sender whose *level* (the median
+norm of the rows it pushed in a flush) exceeds 4x the flush's reference level is an outlier there.
+Each primary's flush verdicts are logged too (its TableClient.observe, wrapped), one per sender
+and flush, from other senders only (a primary does not score itself).
+
 One line per run (rounds, the largest ratio, payloads over 3x and 4x, outlier flags, bans, and the
 lowest score any sender reached: ``min_score`` under the graded penalty, ``min_score_flat`` had
-every outlier cost the whole penalty, replayed on the same rounds), then, LAST, one JSON object
-over all runs: ``payloads``, ``p50``, ``p99``, ``p999``, ``max``, ``over_4`` (payloads past the
-outlier bar), ``runs_with_outlier``, ``min_score``, ``min_score_flat``, ``bans``.
+every outlier cost the whole penalty, replayed on the same rounds; and the same for the row
+pushes under ``rows_*``), then, LAST, one JSON object over all runs: ``payloads``, ``p50``,
+``p99``, ``p999``, ``max``, ``over_4`` (payloads past the outlier bar), ``runs_with_outlier``,
+``min_score``, ``min_score_flat``, ``bans``, and ``rows``: the same over the row pushes' levels
+(``min_score`` there is the lowest push score any primary held).
 
     python3 bench/norm_tail.py --runs 6 --steps 500
 """
@@ -33,6 +40,7 @@ import torch  # noqa: E402
 from swarm import robust  # noqa: E402
 from swarm.config import PeerConfig  # noqa: E402
 from swarm.node import Peer  # noqa: E402
+from swarm.tables.http import verdict_report  # noqa: E402
 
 SMALL = dict(table_rows=4096, table_slots=256, threads=1, progress_interval=60.0, eval_every=0,
              warmup_steps=0, round_timeout=15.0, free_run=0)
@@ -44,6 +52,18 @@ class LoggingPeer(Peer):
     def __init__(self, cfg: PeerConfig, log: dict):
         super().__init__(cfg, out=lambda line: None)
         self.log = log
+
+    async def start(self) -> None:
+        await super().start()
+        observe = self.table_client.observe
+
+        def logged(verdicts):
+            others = [v for v in verdicts if v.sender != self.id]
+            if others:
+                self.log.setdefault("rows", []).append((self.id, others))
+            return observe(verdicts)
+
+        self.table_client.observe = logged
 
     def apply_round(self, result):
         n = super().apply_round(result)
@@ -66,8 +86,17 @@ def lowest_scores(reports: list[robust.Report]) -> tuple[float, float]:
     return low_g, low_f
 
 
+def lowest_row_scores(flushes: list[tuple[str, list]]) -> tuple[float, float]:
+    """lowest_scores for the row pushes: each primary scores the senders of its own flushes."""
+    by_primary: dict[str, list[robust.Report]] = {}
+    for primary, verdicts in flushes:
+        by_primary.setdefault(primary, []).append(verdict_report(verdicts))
+    lows = [lowest_scores(reps) for reps in by_primary.values()]
+    return min((g for g, _ in lows), default=1.0), min((f for _, f in lows), default=1.0)
+
+
 async def one_run(a, seed: int) -> dict:
-    log: dict[int, robust.Report] = {}
+    log: dict = {}  # round -> its report; "rows" -> [(level ratio, outlier), ...] per flush verdict
     kw = dict(SMALL, steps=a.steps, min_peers=a.peers, batch_size=a.batch_size, seed=seed)
     first = LoggingPeer(PeerConfig(**kw), log)
     await first.start()
@@ -79,16 +108,29 @@ async def one_run(a, seed: int) -> dict:
             peers.append(p)
         await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), a.timeout)
         scores = [v for p in peers for v in p.status()["robust"]["peers"].values()]
+        row_bans = sum(v["bans"] for p in peers for v in p.table_client.status()["push_scores"].values())
     finally:
         for p in peers:
             await p.close()
+    rows = log.pop("rows", [])
     reports = [log[k] for k in sorted(log)]
     ratios = [x / r.median_norm for r in reports for x in r.norms]
     low, low_flat = lowest_scores(reports)
+    verdicts = [v for _, vs in rows for v in vs]
+    row_ratios = [v.ratio for v in verdicts if v.ratio > 0]
+    agreements = [v.agreement for v in verdicts if v.agreement is not None]
+    row_low, row_low_flat = lowest_row_scores(rows)
     return {"seed": seed, "rounds": len(log), "max": round(max(ratios, default=0.0), 3),
             "over_3": sum(x > 3 for x in ratios), "over_4": sum(x > robust.OUTLIER_FACTOR for x in ratios),
             "flags": sum(len(r.outliers) for r in reports), "min_score": round(low, 3),
-            "min_score_flat": round(low_flat, 3), "bans": sum(v["bans"] for v in scores), "ratios": ratios}
+            "min_score_flat": round(low_flat, 3), "bans": sum(v["bans"] for v in scores),
+            "rows_verdicts": len(row_ratios), "rows_max": round(max(row_ratios, default=0.0), 3),
+            "rows_over_4": sum(x > robust.OUTLIER_FACTOR for x in row_ratios),
+            "rows_flags": sum(v.outlier for v in verdicts), "rows_disagreed": sum(v.disagreed for v in verdicts),
+            "rows_judged": len(agreements), "rows_agreement_below_0": sum(x < 0 for x in agreements),
+            "rows_agreement_min": round(min(agreements, default=0.0), 3),
+            "rows_min_score": round(row_low, 3), "rows_min_score_flat": round(row_low_flat, 3),
+            "rows_bans": row_bans, "ratios": ratios, "row_ratios": row_ratios, "agreements": agreements}
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -109,14 +151,20 @@ def main() -> int:
                  "--batch-size, --timeout")
     torch.set_num_threads(1)
     ratios: list[float] = []
+    row_ratios: list[float] = []
+    agreements: list[float] = []
     runs = []
     for i in range(a.runs):
         t0 = time.monotonic()
         r = asyncio.run(one_run(a, a.seed + i))
         ratios += r.pop("ratios")
+        row_ratios += r.pop("row_ratios")
+        agreements += r.pop("agreements")
         runs.append(r)
         print(json.dumps({**r, "wall_s": round(time.monotonic() - t0, 1)}), flush=True)
     ratios.sort()
+    row_ratios.sort()
+    agreements.sort()
     print(json.dumps({"peers": a.peers, "batch_size": a.batch_size, "steps": a.steps, "runs": a.runs,
                       "payloads": len(ratios), "p50": round(quantile(ratios, 0.5), 3),
                       "p99": round(quantile(ratios, 0.99), 3), "p999": round(quantile(ratios, 0.999), 3),
@@ -124,7 +172,23 @@ def main() -> int:
                       "over_4": sum(x > robust.OUTLIER_FACTOR for x in ratios),
                       "runs_with_outlier": sum(r["over_4"] > 0 for r in runs),
                       "min_score": min(r["min_score"] for r in runs),
-                      "min_score_flat": min(r["min_score_flat"] for r in runs), "bans": sum(r["bans"] for r in runs)}))
+                      "min_score_flat": min(r["min_score_flat"] for r in runs), "bans": sum(r["bans"] for r in runs),
+                      "rows": {"verdicts": len(row_ratios), "p50": round(quantile(row_ratios, 0.5), 3),
+                               "p99": round(quantile(row_ratios, 0.99), 3),
+                               "p999": round(quantile(row_ratios, 0.999), 3),
+                               "max": round(row_ratios[-1] if row_ratios else 0.0, 3),
+                               "over_4": sum(x > robust.OUTLIER_FACTOR for x in row_ratios),
+                               "flags": sum(r["rows_flags"] for r in runs),
+                               "disagreed": sum(r["rows_disagreed"] for r in runs),
+                               "judged": sum(r["rows_judged"] for r in runs),
+                               "agreement_below_0": sum(r["rows_agreement_below_0"] for r in runs),
+                               "agreement_p001": round(quantile(agreements, 0.001), 3),
+                               "agreement_p01": round(quantile(agreements, 0.01), 3),
+                               "agreement_p50": round(quantile(agreements, 0.5), 3),
+                               "agreement_min": round(agreements[0] if agreements else 0.0, 3),
+                               "min_score": min(r["rows_min_score"] for r in runs),
+                               "min_score_flat": min(r["rows_min_score_flat"] for r in runs),
+                               "bans": sum(r["rows_bans"] for r in runs)}}))
     return 0
 
 

@@ -76,6 +76,9 @@ class Report:
     median_norm: float = 0.0
     clipped: list[str] = field(default_factory=list)  # senders whose message msg_clip scaled down
     outliers: list[str] = field(default_factory=list)  # norm > OUTLIER_FACTOR x median (>= 3 contributors)
+    # the share of the outlier penalty each outlier pays, where the rule that flagged it says (a
+    # row flush: tables/http.py verdict_report); the others' comes from their norms (severity)
+    severity: dict[str, float] = field(default_factory=dict)
 
 
 def _values(c) -> torch.Tensor:
@@ -255,7 +258,7 @@ def severity(ratio: float) -> float:
 
 def outlier_ratios(report: Report) -> dict[str, float]:
     """Each sender's largest message norm over the round's median (empty when the report carries
-    no norms, as the row pushes' reports do: their outliers then lose the whole penalty)."""
+    no norms: its outliers then lose the whole penalty, unless ``Report.severity`` says)."""
     if not report.norms or not report.median_norm > 0 or len(report.norms) != len(report.senders):
         return {}
     out: dict[str, float] = {}
@@ -344,7 +347,8 @@ class Scoreboard:
 
     def observe(self, report: Report, now: float) -> list[str]:
         """Score one aggregated round; returns the senders this round got banned. An outlier loses
-        ``outlier_penalty`` x its ``severity`` (the whole penalty when the report has no norms)."""
+        ``outlier_penalty`` x its share: ``report.severity``'s, else ``severity`` of its norm ratio
+        (the whole penalty when the report has neither)."""
         out = set(report.outliers)
         clipped = set(report.clipped)
         ratio = outlier_ratios(report)
@@ -355,7 +359,8 @@ class Scoreboard:
                 p.clipped += 1
             if sender in out:
                 p.outliers += 1
-                cost = self.cfg.outlier_penalty * severity(ratio.get(sender, math.inf))
+                share = report.severity.get(sender)
+                cost = self.cfg.outlier_penalty * (severity(ratio.get(sender, math.inf)) if share is None else share)
                 if self._penalise(p, cost, now):
                     newly.append(sender)
         for p in self.peers.values():

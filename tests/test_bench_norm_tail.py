@@ -17,6 +17,10 @@ def test_norm_tail_measures_a_short_clean_run():
     assert run["rounds"] == 6 and run["bans"] == 0
     assert last["payloads"] == 3 * 6 and last["runs"] == 1 and last["bans"] == 0
     assert 0 < last["p50"] <= last["p99"] <= last["max"] == run["max"]
+    rows = last["rows"]  # every primary's flush verdicts: levels over the reference, agreement
+    assert rows["verdicts"] == run["rows_verdicts"] > 0 and rows["bans"] == 0
+    assert 0 < rows["p50"] <= rows["p99"] <= rows["max"] == run["rows_max"]
+    assert rows["judged"] == run["rows_judged"] and -1 <= rows["agreement_min"] <= rows["agreement_p50"] <= 1
 
 
 def test_norm_tail_refuses_bad_flags_in_one_line():

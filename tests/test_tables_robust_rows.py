@@ -4,6 +4,7 @@ the 403 of a banned sender's push (docs/design.md, "Robust row pushes")."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -12,7 +13,9 @@ from swarm.bodies import SENDER
 from swarm.tables import TableSpec
 from swarm.tables.formats import PushRequest, encode_push
 from swarm.tables.http import TableClient, add_routes
-from swarm.tables.robust_rows import Levels, Part, combine, row_norms, sum_rows
+from swarm.robust import MIN_SEVERITY
+from swarm.tables.robust_rows import (FULL_DISAGREEMENT, Levels, Part, combine, lower_median, row_norms, sum_rows,
+                                       verdict_severity)
 from swarm.tables.service import RowVerdict, TableService
 from swarm.tables.shard import RowOptConfig
 
@@ -163,6 +166,44 @@ def test_the_agreement_rule_is_deterministic():
                and r.disagreeing == runs[0].disagreeing == ["evil"] for r in runs)
 
 
+def test_an_outlier_pays_by_how_far_out_its_level_is_and_a_disagreeing_one_in_full():
+    """Row pushes are scored like dense payloads (robust.severity): honest levels spike now and
+    then (bench/norm_tail.py), an attack worth banning is far out every flush."""
+    peer = _Peer()
+    alone = combine(honest_parts(), 2.0)
+    assert set(alone.ratios) == set(alone.levels) and lower_median(np.asarray(list(alone.ratios.values()))) == 1.0
+    assert combine(honest_parts()[:2], 2.0).ratios == {}  # two levels judge nothing
+    just_over = [RowVerdict("spiky", 10, 0, True, ratio=4.4), RowVerdict("p1", 10, 0, False, ratio=1.0),
+                 RowVerdict("p2", 10, 0, False, ratio=0.9)]
+    for _ in range(3):  # three in a row just over the bar, which the flat cost banned for
+        peer.table_client.observe(just_over)
+    score = peer.table_client.status()["push_scores"]["spiky"]["score"]
+    assert not peer.table_client.banned("spiky") and score > 0.8
+    flipped = [RowVerdict("flip", 10, 0, True, agreement=-0.7, disagreed=True, ratio=1.1),
+               RowVerdict("p1", 10, 0, False, ratio=1.0), RowVerdict("p2", 10, 0, False, ratio=0.9)]
+    for step in range(3):  # its level is honest, its direction far from it: the whole cost each time
+        peer.table_client.observe(flipped)
+        assert peer.table_client.banned("flip") == (step == 2)
+    # an honest sender's agreement reaches -0.24 at batch 4: one just past the bar pays a tenth
+    barely = [RowVerdict("noisy", 10, 0, True, agreement=-0.26, disagreed=True, ratio=1.0),
+              RowVerdict("p1", 10, 0, False, ratio=1.0), RowVerdict("p2", 10, 0, False, ratio=0.9)]
+    for _ in range(3):
+        peer.table_client.observe(barely)
+    assert not peer.table_client.banned("noisy") and peer.table_client.status()["push_scores"]["noisy"]["score"] > 0.9
+    peer.table_client.batcher.close()
+
+
+def test_a_verdicts_severity_is_the_larger_of_its_level_and_its_disagreement():
+    assert verdict_severity(100.0, None, False) == 1.0 and verdict_severity(8.0, None, False) == pytest.approx(0.5)
+    assert verdict_severity(4.2, None, False) == MIN_SEVERITY
+    assert verdict_severity(1.0, -0.26, True) == MIN_SEVERITY
+    assert verdict_severity(1.0, -0.375, True) == pytest.approx(0.5)
+    assert verdict_severity(1.0, FULL_DISAGREEMENT, True) == 1.0 and verdict_severity(1.0, -0.9, True) == 1.0
+    assert verdict_severity(1.0, None, True) == 1.0  # disagreeing with no agreement to go by: all of it
+    assert verdict_severity(8.0, -0.26, True) == pytest.approx(0.5)  # the larger
+    assert verdict_severity(0.0, None, False) == 1.0  # an outlier with nothing to grade it by: all of it
+
+
 def test_a_sender_flagged_in_repeated_flushes_is_banned():
     """Through TableService.flush and TableClient.observe (the 403 of a banned sender: below)."""
     peer = _Peer()
@@ -200,9 +241,10 @@ async def test_a_sender_whose_row_pushes_are_outliers_is_banned_and_refused_with
 
     peer = _Peer()
     assert not peer.table_client.banned("evil")
-    for _ in range(3):  # three outlier flushes: 1.0 -> 0.7 -> 0.4 -> 0.1 < 0.25
-        peer.table_client.observe([RowVerdict("evil", 10, 10, True), RowVerdict("p1", 10, 0, False),
-                                   RowVerdict("me", 10, 0, True)])
+    for _ in range(3):  # three outlier flushes at 100x the reference: 1.0 -> 0.7 -> 0.4 -> 0.1 < 0.25
+        peer.table_client.observe([RowVerdict("evil", 10, 10, True, ratio=100.0),
+                                   RowVerdict("p1", 10, 0, False, ratio=1.0),
+                                   RowVerdict("me", 10, 0, True, ratio=100.0)])
     assert peer.table_client.banned("evil") and not peer.table_client.banned("p1")
     assert not peer.table_client.banned("me")  # our own pushes are never scored
     m = peer.tables.map

@@ -35,6 +35,7 @@ from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .owed import Debt, OwedRows
 from .ownership import Move
+from .robust_rows import verdict_severity
 from .service import FRESH, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
 from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
@@ -443,15 +444,12 @@ class TableClient:
         return True
 
     def observe(self, verdicts: list[RowVerdict]) -> list[str]:
-        """Score one flush's senders (outliers lose score; clipped rows are counted); returns the
-        senders it banned. Our own pushes are not scored."""
+        """Score one flush's senders (outliers lose score, by how far out they are; clipped rows
+        are counted); returns the senders it banned. Our own pushes are not scored."""
         others = [v for v in verdicts if v.sender != self.self_id]
         if not others:
             return []
-        report = robust.Report(count=len(others), senders=[v.sender for v in others],
-                               clipped=[v.sender for v in others if v.clipped],
-                               outliers=[v.sender for v in others if v.outlier])
-        newly = self.scores.observe(report, time.monotonic())
+        newly = self.scores.observe(verdict_report(others), time.monotonic())
         for pid in newly:
             msg = f"{pid[:8]} for {self.scores.cfg.ban_seconds:g} s: its row pushes were outliers"
             if self.event is not None:
@@ -540,6 +538,16 @@ class TableClient:
                 "rows_owed": self.owed.by_peer(), "rows_caught_up": s.rows_caught_up,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
                 "push_scores": self.scores.status(time.monotonic(), time.time() - time.monotonic())}
+
+
+def verdict_report(verdicts: list[RowVerdict]) -> robust.Report:
+    """A flush's verdicts as the scoreboard reads them: each outlier pays by how far out its level
+    or its disagreement is (robust_rows.verdict_severity), as a dense payload pays by its norm."""
+    outliers = [v for v in verdicts if v.outlier]
+    return robust.Report(count=len(verdicts), senders=[v.sender for v in verdicts],
+                         clipped=[v.sender for v in verdicts if v.clipped],
+                         outliers=[v.sender for v in outliers],
+                         severity={v.sender: verdict_severity(v.ratio, v.agreement, v.disagreed) for v in outliers})
 
 
 class PushBatcher:

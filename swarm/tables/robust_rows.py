@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..robust import MIN_ROBUST, OUTLIER_FACTOR
+from ..robust import MIN_ROBUST, MIN_SEVERITY, OUTLIER_FACTOR, severity
 
 MIN_SHARED = 8  # rows a sender must share with others in a flush before its agreement is judged
 AGREE_BAR = -0.25  # a sender whose agreement is below this points against the others: excluded (measured: docs/design.md)
+FULL_DISAGREEMENT = -0.5  # a disagreeing sender this far below pays the whole outlier penalty
 KEPT_FLUSHES = 32  # a sender's level counts in the reference this many flushes after its last push
 MAX_SENDERS = 256  # levels remembered per table (the oldest go first)
 
@@ -74,6 +75,9 @@ class Combined:
     rows: dict[str, int] = field(default_factory=dict)  # rows each sender pushed
     clipped: dict[str, int] = field(default_factory=dict)  # ... of which were scaled down
     outliers: list[str] = field(default_factory=list)
+    # each sender's level over the reference, when the flush could judge levels (>= MIN_ROBUST of
+    # them, a reference > 0): how far out an outlier is (its score pays by it: robust.severity)
+    ratios: dict[str, float] = field(default_factory=dict)
     # agreement (rule 5): per sender with >= MIN_SHARED shared rows, the weighted mean cosine of its
     # rows with the sum of the other senders' pushes of the same rows; and how many rows it shared
     agreement: dict[str, float] = field(default_factory=dict)
@@ -100,6 +104,20 @@ class Levels:
             del d[s]
         while len(d) > MAX_SENDERS:
             del d[next(iter(d))]
+
+
+def verdict_severity(ratio: float, agreement: float | None, disagreed: bool) -> float:
+    """The share of the outlier penalty a flush's outlier pays: by how far its level is past
+    OUTLIER_FACTOR x the reference (``ratio``: robust.severity, as a dense payload), or, when it
+    disagreed, by how far its agreement is below AGREE_BAR: MIN_SEVERITY just under it, all of it
+    at FULL_DISAGREEMENT and below (measured: honest parts reach -0.35 at batch 4, sign-flipped
+    ones lie at -0.40 to -0.90; docs/design.md "Robust row pushes"). The larger of the two."""
+    share = severity(ratio) if ratio > OUTLIER_FACTOR else 0.0
+    if disagreed:
+        if agreement is None or not agreement > FULL_DISAGREEMENT:
+            return 1.0
+        share = max(share, MIN_SEVERITY, (AGREE_BAR - agreement) / (AGREE_BAR - FULL_DISAGREEMENT))
+    return min(1.0, share) if share > 0 else 1.0
 
 
 def row_norms(g: torch.Tensor) -> np.ndarray:
@@ -216,6 +234,7 @@ def combine(parts: list[Part], clip: float, remembered: list[float] | tuple = ()
         out.grads = torch.zeros(len(uniq), grads.shape[1], dtype=grads.dtype)
         out.grads.index_add_(0, torch.from_numpy(inv), grads)
     if pool.size >= MIN_ROBUST and ref > 0:
+        out.ratios = {s: lv / ref for s, lv in levels.items()}
         out.outliers = [s for s, lv in levels.items() if lv > OUTLIER_FACTOR * ref]
     out.outliers += [s for s in out.disagreeing if s not in out.outliers]
     return out

@@ -79,6 +79,7 @@ class RowVerdict:
     shared: int = 0  # rows it pushed that other senders of the flush pushed too (all tables)
     agreement: float | None = None  # its lowest agreement over the tables it was judged in (robust_rows)
     disagreed: bool = False  # its rows pointed against the others' (in some table): left out of the flush
+    ratio: float = 0.0  # its largest level over the flush's reference (the tables whose levels were judged)
 
 
 def sender_of(req: PushRequest) -> str:
@@ -354,7 +355,7 @@ class TableService:
             for t in tables:
                 by_table.setdefault(t, []).append(Part(sender, req.ids[t], req.grads[t]))
         combined = {}
-        seen: dict[str, list] = {}  # sender -> [rows, clipped, outlier, shared, agreement, disagreed]
+        seen: dict[str, list] = {}  # sender -> [rows, clipped, outlier, shared, agreement, disagreed, ratio]
         levels = {}
         for table, parts in by_table.items():
             c = combine(parts, clip, self.levels.others(table, self.stats.flushes, {p.sender for p in parts})
@@ -362,7 +363,7 @@ class TableService:
             ids, grads = c.ids, c.grads
             levels[table] = c.levels
             for s in c.rows:
-                v = seen.setdefault(s, [0, 0, False, 0, None, False])
+                v = seen.setdefault(s, [0, 0, False, 0, None, False, 0.0])
                 v[0] += c.rows[s]
                 v[1] += c.clipped[s]
                 v[2] |= s in c.outliers
@@ -370,6 +371,7 @@ class TableService:
                 if s in c.agreement:
                     v[4] = c.agreement[s] if v[4] is None else min(v[4], c.agreement[s])
                 v[5] |= s in c.disagreeing
+                v[6] = max(v[6], c.ratios.get(s, 0.0))
             if dtype is not None:  # (a no-op on one push that came in ``dtype``)
                 grads = roundtrip(grads, dtype)
             combined[table] = (ids, grads, sum(len(p.ids) for p in parts) - len(ids))
@@ -383,8 +385,8 @@ class TableService:
             self._fan_out(Replay(table, self.map.view, replay_key, ids, grads, update["step"] - 1, dtype), forward)
         for table, lv in levels.items():
             self.levels.remember(table, lv, self.stats.flushes)
-        self.verdicts = [RowVerdict(s, rows, clipped, bool(out), sh, agr, bool(dis))
-                         for s, (rows, clipped, out, sh, agr, dis) in seen.items()]
+        self.verdicts = [RowVerdict(s, rows, clipped, bool(out), sh, agr, bool(dis), ratio)
+                         for s, (rows, clipped, out, sh, agr, dis, ratio) in seen.items()]
         self.stats.rows_clipped += sum(v.clipped for v in self.verdicts)
         self.stats.outlier_pushes += sum(v.outlier for v in self.verdicts)
         self.stats.disagreeing_pushes += sum(v.disagreed for v in self.verdicts)
