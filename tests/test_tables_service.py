@@ -404,3 +404,14 @@ def test_a_catch_up_never_rolls_back_a_row_a_newer_replay_reached():
     assert all(torch.equal(v, rep.read_state(rp.ids[:2])[k]) for k, v in before.items())
     svcs[replica].apply_replica("ngram", {k: v[:2] for k, v in snapshot.items()}, m.view, "c:1", "heal")
     assert rep.steps(rp.ids[:2]).tolist() == [1, 1]
+    # rows with as many updates as the catch-up carries keep theirs, even another update (the
+    # audit's to judge: a catch-up never overwrites one update with another)
+    svcs[replica].shards["ngram"].apply_grads(rp.ids[2:3], torch.full((1, 8), 0.5))  # a step 2 of its own
+    mine = rep.read_state(rp.ids[2:3])
+    stale = svcs[prim].full_state("ngram", rp.ids[2:3])
+    svcs[prim].apply_push(PushRequest(view=m.view, key="c:3", ids={"ngram": rp.ids[2:3]},
+                                      grads={"ngram": torch.full((1, 8), -0.5)}))
+    other = svcs[prim].full_state("ngram", rp.ids[2:3])  # the primary's step 2: another update
+    assert int(other["step"][0]) == int(mine["step"][0]) == 2 and int(stale["step"][0]) == 1
+    svcs[replica].apply_replica("ngram", other, m.view, "c:3", "catch-up")
+    assert all(torch.equal(v, rep.read_state(rp.ids[2:3])[k]) for k, v in mine.items())

@@ -101,7 +101,7 @@ class TableStats:
     flushes: int = 0
     duplicate_pushes: int = 0
     replica_updates: int = 0  # full-state replica updates applied
-    replica_rows_newer: int = 0  # catch-up rows left alone: ours had a newer update (a replay overtook it)
+    replica_rows_newer: int = 0  # catch-up rows left alone: ours had as many updates or more (a replay overtook it)
     replays_applied: int = 0  # replica steps replayed from the primary's gradients
     replays_diverged: int = 0  # replay messages with some rows not at the primary's count (healed in full state)
     rows_stale: int = 0  # ... those rows, in all: the rest of each message was applied
@@ -448,15 +448,17 @@ class TableService:
 
     def apply_replica(self, table: str, update: dict[str, torch.Tensor], view: str, key: str,
                       mode: str = "heal") -> bool:
-        """A primary's full-state update of rows we replicate. A heal overwrites (the primary saw
-        our counters and answers with its rows). A catch-up (swarm/tables/owed.py) leaves alone the
-        rows whose counter is ahead of the update's: a newer replay overtook it, and the update
-        would roll them back."""
+        """A primary's full-state update of rows we replicate. A heal overwrites: the primary saw
+        our counters and answers with its rows. A catch-up (swarm/tables/owed.py) is taken only by
+        rows that have had fewer updates here than in it: a newer replay may have overtaken it
+        (it would roll them back), and at an equal count the row already has that update (a
+        replay whose answer was lost) or another one, which is the audit's to judge, not a
+        catch-up's to overwrite."""
         self._fence(view)
         ids = update["ids"].numpy()
         self._held(table, ids)
         if mode == "catch-up":
-            newer = self.shards[table].steps(ids) > update["step"]
+            newer = self.shards[table].steps(ids) >= update["step"]
             if bool(newer.any()):
                 self.stats.replica_rows_newer += int(newer.sum())
                 keep = ~newer
