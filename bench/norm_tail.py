@@ -47,7 +47,8 @@ SMALL = dict(table_rows=4096, table_slots=256, threads=1, progress_interval=60.0
 
 
 class LoggingPeer(Peer):
-    """A peer that files each round's robust report (its senders, norms and median) in ``log``."""
+    """A peer that files each round's robust report (its senders, norms and median) in ``log``, and,
+    as a primary, each flush's verdicts of the other senders' row pushes (under ``"rows"``)."""
 
     def __init__(self, cfg: PeerConfig, log: dict):
         super().__init__(cfg, out=lambda line: None)
@@ -96,7 +97,7 @@ def lowest_row_scores(flushes: list[tuple[str, list]]) -> tuple[float, float]:
 
 
 async def one_run(a, seed: int) -> dict:
-    log: dict = {}  # round -> its report; "rows" -> [(level ratio, outlier), ...] per flush verdict
+    log: dict = {}  # round -> its report; "rows" -> [(primary, [RowVerdict of another sender, ...]), ...] per flush
     kw = dict(SMALL, steps=a.steps, min_peers=a.peers, batch_size=a.batch_size, seed=seed)
     first = LoggingPeer(PeerConfig(**kw), log)
     await first.start()

@@ -52,6 +52,7 @@ MAX_HEADER = 1 << 16          # safetensors JSON header; ours are a few hundred 
 MAX_KEY = 256
 _VIEW_RE = re.compile(r"[0-9a-f]{16}")
 _KEY_RE = re.compile(r"[^\s]{1,200}:(0|[1-9][0-9]{0,18})")
+REPLICA_MODES = ("heal", "catch-up")  # a replica update's: overwrite, or only rows with fewer updates
 _INT_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _ST_NAME = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "int8": "I8", "int4": "U8"}
@@ -110,6 +111,12 @@ def _check_key(key) -> str:
     if not isinstance(key, str) or len(key) > MAX_KEY or not _KEY_RE.fullmatch(key):
         raise WireError(f"key must be 'peer:step' (no whitespace, step a decimal), got {str(key)[:60]!r}")
     return key
+
+
+def _check_mode(mode) -> str:
+    if not isinstance(mode, str) or mode not in REPLICA_MODES:
+        raise WireError(f"replica mode must be one of {list(REPLICA_MODES)}, got {str(mode)[:20]!r}")
+    return mode
 
 
 def _check_dtype(dtype) -> str:
@@ -619,18 +626,14 @@ def _state_tensors(tensors: dict[str, torch.Tensor], fixed: set[str], n: int | N
     return out, n
 
 
-REPLICA_MODES = ("heal", "catch-up")
-
-
 def encode_replica(table: str, update: dict[str, torch.Tensor], view: str, key: str, mode: str = "heal") -> bytes:
     """Rows' full state (TableShard.read_state()) from their primary, for a replica of `table`.
     ``mode``: "heal" overwrites (the primary saw the replica's counters differ and answers with its
-    rows); "catch-up" overwrites only rows whose counter is not ahead of the update's (it may
-    arrive after a newer replay: swarm/tables/owed.py)."""
+    rows); "catch-up" is taken only by rows with fewer updates than it carries (it may arrive
+    after a newer replay: swarm/tables/owed.py)."""
     _check_view(view)
     _check_key(key)
-    if mode not in REPLICA_MODES:
-        raise WireError(f"replica mode must be one of {list(REPLICA_MODES)}, got {str(mode)[:20]!r}")
+    _check_mode(mode)
     if not isinstance(update, dict) or "ids" not in update or not isinstance(update["ids"], torch.Tensor):
         raise WireError("replica update needs an 'ids' tensor")
     ids = _ids_in(update["ids"], 1 << 31, "replica update")
@@ -652,9 +655,7 @@ def decode_replica(data: bytes, tables: Mapping[str, TableSpec], kind: str | Non
     tables = _tables(tables)
     blob = _Blob(data)
     _meta(blob.meta, {"v", "table", "view", "key", "mode"} if "mode" in blob.meta else {"v", "table", "view", "key"})
-    mode = blob.meta.get("mode", "heal")
-    if mode not in REPLICA_MODES:
-        raise WireError(f"replica mode must be one of {list(REPLICA_MODES)}, got {mode[:20]!r}")
+    mode = _check_mode(blob.meta.get("mode", "heal"))
     spec = _spec(tables, blob.meta["table"])
     view, key = _check_view(blob.meta["view"]), _check_key(blob.meta["key"])
     k = _kind_of(set(blob.entries), {"ids", "rows", "step"}, kind)

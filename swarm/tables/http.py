@@ -63,8 +63,7 @@ class RowStats:
     push_failures: int = 0
     retries: int = 0
     rows_healed: int = 0  # replica rows a replay found stale, sent in full state (as a primary)
-    rows_owed: int = 0  # replica rows whose replay did not land, owed a catch-up (as a primary), in all
-    rows_caught_up: int = 0  # ... of which the replica acknowledged the catch-up
+    rows_caught_up: int = 0  # replica rows whose replay did not land, caught up since (as a primary)
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
 
     def percentiles(self) -> dict[str, float | None]:
@@ -462,7 +461,6 @@ class TableClient:
     def owe(self, peer: str, table: str, ids: np.ndarray) -> None:
         """``peer``'s replica of these rows missed their last update: catch it up in the background."""
         self.owed.add(peer, table, ids)
-        self.stats.rows_owed += len(ids)
         if self._catching_up is None or self._catching_up.done():
             self._catching_up = asyncio.ensure_future(self._catch_up_loop())
 
@@ -491,7 +489,10 @@ class TableClient:
 
     async def pay_debts(self, within: float) -> bool:
         """Catch-up rounds for at most ``within`` seconds, until nothing is owed (a peer about to
-        leave: its replicas are about to be promoted in its place); True when nothing is."""
+        leave: its replicas are about to be promoted in its place); True when nothing is. These
+        rounds take the background ones' place (two would send the same rows)."""
+        if self._catching_up is not None:
+            self._catching_up.cancel()
         t0 = time.monotonic()
         while len(self.owed) and time.monotonic() - t0 < within:
             if not await self.catch_up():
@@ -505,22 +506,31 @@ class TableClient:
         landed = 0
         for i in range(0, len(debt.ids), CATCH_UP_ROWS):
             ids = debt.ids[i:i + CATCH_UP_ROWS]
-            try:
-                state = await self.work(self.service.full_state, debt.table, ids)
-            except (Moving, NotPrimary, ShardError):  # the map moved on meanwhile: the next round sees
-                return landed
-            body = await asyncio.to_thread(encode_replica, debt.table, state, view,
-                                           f"catch-up-{self.self_id[:16]}:{debt.gen}", "catch-up")
-            try:
-                await self.transport.request("POST", addr + "/v1/rows/replica", to=debt.peer, body=body, timeout=30.0,
-                                             content_type="application/octet-stream", kind="replica",
-                                             reply_kind="replica")
-            except PeerUnreachable:
+            # (not sent: the map moved on meanwhile, or the replica is out of reach: the next round sees)
+            if not await self.send_state(debt.peer, addr, debt.table, ids, view,
+                                         f"catch-up-{self.self_id[:16]}:{debt.gen}", "catch-up", timeout=30.0):
                 return landed
             n = self.owed.settle(debt.peer, debt.table, ids, debt.gen)
             self.stats.rows_caught_up += n
             landed += n
         return landed
+
+    async def send_state(self, peer: str, addr: str, table: str, ids: np.ndarray, view: str, key: str,
+                         mode: str, timeout: float) -> bool:
+        """Our rows' full state to a replica of them (``mode``: a heal or a catch-up,
+        TableService.apply_replica); False when it was not sent or not taken: we no longer hold
+        the rows as they are (the map moved on), or the replica could not be reached."""
+        try:
+            state = await self.work(self.service.full_state, table, ids)
+        except (Moving, NotPrimary, ShardError):
+            return False
+        body = await asyncio.to_thread(encode_replica, table, state, view, key, mode)
+        try:
+            await self.transport.request("POST", addr + "/v1/rows/replica", to=peer, body=body, timeout=timeout,
+                                         content_type="application/octet-stream", kind="replica", reply_kind="replica")
+        except PeerUnreachable:
+            return False
+        return True
 
     def close(self) -> None:
         """Stop the background work: the push batcher and the catch-up (what is owed is dropped)."""
@@ -696,19 +706,10 @@ async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> 
         return all([await heal(peer, addr, parts[t], ids) for t, ids in stale.items()])
 
     async def heal(peer: str, addr: str, rp: Replay, ids: np.ndarray) -> bool:
-        try:
-            state = await client.work(client.service.full_state, rp.table, ids)
-        except (Moving, NotPrimary, ShardError):
+        if not await client.send_state(peer, addr, rp.table, ids, rp.view, rp.key, "heal", timeout=5.0):
             return False
-        body = await asyncio.to_thread(encode_replica, rp.table, state, rp.view, rp.key)
-        try:
-            await client.transport.request("POST", addr + "/v1/rows/replica", to=peer, body=body, timeout=5.0,
-                                           content_type="application/octet-stream", kind="replica",
-                                           reply_kind="replica")
-            client.stats.rows_healed += len(ids)
-            return True
-        except PeerUnreachable:
-            return False
+        client.stats.rows_healed += len(ids)
+        return True
 
     # one message per replica and flush (a host group's owner forwards several pushes, keyed apart)
     messages: dict[tuple[str, str, str], list[Replay]] = {}

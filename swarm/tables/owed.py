@@ -9,8 +9,8 @@ place served and updated the old rows: the updates were lost, although two copie
 
 So the primary remembers, per replica and table, the rows whose last replay did not land, and
 sends them their full state (rows, optimizer state, counters) until a replica acknowledges it
-(TableClient's catch-up; the replica takes a row only if it is not newer than the one it has, so a
-catch-up that arrives after a later replay cannot roll it back). What is owed is kept only while it
+(TableClient's catch-up; the replica takes it only for rows that have had fewer updates than it
+carries, so a catch-up that arrives after a later replay cannot roll it back). What is owed is kept only while it
 is still owed: this peer is the rows' primary and the replica still holds their slot in the
 current map (a new map hands the slot to its new owners, who fetch it).
 
