@@ -108,6 +108,33 @@ def test_a_replica_that_missed_an_update_names_the_stale_rows_and_their_full_sta
         assert len({svcs[o].shards["ngram"].checksum(slot) for o in owners}) == 1
 
 
+class WatchedService(TableService):
+    """Checks, at every write of ``map`` or ``moving``, what a reader on another thread would see
+    then: set_members runs on the table thread while the event loop reads the two without it."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in ("map", "moving") and getattr(self, "map", None) is not None and hasattr(self, "moving"):
+            for spec in SPECS:
+                for slot in range(self.map.n_slots(spec.name)):
+                    if self.self_id in self.map.owners(spec.name, slot):
+                        assert self.shards[spec.name].has_slot(slot) or (spec.name, slot) in self.moving, \
+                            f"{name} published with {spec.name}:{slot} owned, neither held nor awaited"
+
+
+def test_a_new_map_is_published_only_with_the_slots_it_still_awaits():
+    a = WatchedService("p-a", SPECS, replicas=2, slots=32)
+    a.set_members(["p-a"], now=0.0)  # every slot fresh, created here
+    fetch = a.set_members(["p-a", "p-b", "p-c"], now=0.0)  # keeps some, owns none anew
+    for mv in fetch:
+        a.import_best(mv, [FRESH])
+    b = WatchedService("p-b", SPECS, replicas=2, slots=32)
+    fetch = b.set_members(["p-a", "p-b", "p-c"], now=0.0)  # a joiner: every owned slot awaited
+    assert fetch
+    later = b.set_members(["p-b", "p-c"], now=1.0)  # p-a died: more slots to fetch, the old ones still awaited
+    assert later and {(m.table, m.slot) for m in fetch} <= set(b.moving)
+
+
 def test_hand_off_keeps_the_newest_copy_and_slots_are_moving_until_installed():
     svcs = services(["p-a", "p-b"])
     ids = np.arange(256)

@@ -168,12 +168,9 @@ class TableService:
             # of the map it had before us (if it has only just started, those hold zero rows too).
             old = OwnershipMap(self.specs, others, replicas=self.replicas, slots=self.slots)
         new = OwnershipMap(self.specs, members, replicas=self.replicas, slots=self.slots)
-        self.map = new
-        self.epoch += 1
-        self.stats.view_changes += 1
         fetch: list[Move] = []
         fresh: dict[str, list[int]] = {name: [] for name in self.shards}
-        self.moving = {k: m for k, m in self.moving.items() if self.self_id in new.owners(*k)}
+        moving = {k: m for k, m in self.moving.items() if self.self_id in new.owners(*k)}
         for mv in moves(old, new):
             if mv.to != self.self_id:
                 continue
@@ -188,8 +185,8 @@ class TableService:
                 # (TableClient.fetch's deadline) before the slot restarts from zero rows (give_up).
                 sources = tuple(o for o in old.owners(mv.table, mv.slot) if o != self.self_id)
             if sources:
-                self.moving[key] = Move(mv.table, mv.slot, mv.to, sources)
-                fetch.append(self.moving[key])
+                moving[key] = Move(mv.table, mv.slot, mv.to, sources)
+                fetch.append(moving[key])
             else:  # a new swarm's slot: nobody ever had it
                 fresh[mv.table].append(mv.slot)
                 self.stats.slots_created += 1
@@ -199,6 +196,13 @@ class TableService:
             for slot in shard.slots():
                 if self.self_id not in new.owners(name, slot) and (name, slot) not in self.releasing:
                     self.releasing[(name, slot)] = now + self.release_after
+        # Published last, moves first: this runs on the table thread while the event loop (the
+        # status page, a test's "settled") reads map and moving without it. Whoever sees the new
+        # map must also see the slots it still awaits, never a map whose slots look held.
+        self.moving = moving
+        self.map = new
+        self.epoch += 1
+        self.stats.view_changes += 1
         return fetch
 
     def release(self, now: float) -> int:
