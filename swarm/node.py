@@ -56,6 +56,7 @@ from .transport import ByteCounts, PeerUnreachable, Transport
 log = logging.getLogger("swarm")
 
 FIRST_CHECK = 10  # replicas also compare sketches at this step: when a racing join is likeliest to have split them
+SYNC_ATTEMPTS = 4  # state downloads of one join: a round lost to the joiner while it catches up asks for a newer one
 SEND_ATTEMPTS = 5  # per payload and peer, ~2.5 s in all, for refusals that go away by themselves
 
 
@@ -420,11 +421,13 @@ class Peer:
             self._arrival.set()
         return verdict
 
-    async def _wait_round(self, step: int) -> set[str]:
+    async def _wait_round(self, step: int, give_up: Callable[[set[str]], Any] | None = None) -> set[str]:
+        """The peers round ``step`` waits for, once they are all in (or its deadline, a stop, a lag
+        that calls for a re-sync, or ``give_up`` of them says so)."""
         while True:
             exp = self.expected(step)
             if (self.book.ready(step, exp, time.monotonic(), self.cfg.round_timeout) or self._stop.is_set()
-                    or (self.active and self._behind() > rounds.RESYNC_LAG)):
+                    or (self.active and self._behind() > rounds.RESYNC_LAG) or (give_up is not None and give_up(exp))):
                 return exp
             self._arrival.clear()
             try:
@@ -560,18 +563,32 @@ class Peer:
 
     async def _sync_state(self, donor_id: str | None = None) -> None:
         """Download parameters and optimizer state from a live peer (``donor_id`` if it is one), then
-        replay buffered rounds."""
+        replay buffered rounds up to our first own one; a newer snapshot when a round is lost to us."""
         self.lifecycle.to(State.SYNCING, time.monotonic())
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.cfg.sync_timeout and not self._stop.is_set():
             if rounds.traffic_reaches_us(self.metas(), self.book.last_step_from):
                 break  # no round after the snapshot is lost to us
             await asyncio.sleep(0.1)
+        for attempt in range(SYNC_ATTEMPTS):
+            donor_id = await self._download_state(donor_id)
+            lost = await self._catch_up(watch=attempt + 1 < SYNC_ATTEMPTS)
+            if lost is None:
+                return
+            step, senders = lost
+            self.stop_contributing(last=step)  # we announced a first round we will not make: not waited for
+            self.event("sync-retry", f"round {step}'s payload from {', '.join(p[:8] for p in senders)} is lost to "
+                                     f"us (a later one of theirs came): downloading a newer state")
+
+    async def _download_state(self, donor_id: str | None) -> str:
+        """Load the state of a contributing peer (``donor_id`` if it is one) whose snapshot no round
+        that reached us is missing from; returns the donor's id."""
         donor_id = rounds.pick_donor(self.metas(), donor_id)
         donor = self.members.get(donor_id) if donor_id is not None else None
         if donor is None:
             raise JoinError("no live, contributing peer to sync state from")
         limit = self.state_limit()
+        t0 = time.monotonic()
         while True:
             try:
                 blob = await self.transport.request("GET", donor.addr + "/v1/state", to=donor.peer_id, timeout=300.0,
@@ -588,8 +605,13 @@ class Peer:
                                      f"{', '.join(p[:8] for p in gap)}: downloading a newer one")
             await asyncio.sleep(0.3)
         self.event("synced", f"state of step {step} from {donor.peer_id[:8]} ({len(blob) / 1e6:.1f} MB)")
-        # Replay every round whose payloads are all here, then join at the front a few steps on,
-        # so that the others know to wait for us before our first payload is due.
+        return donor.peer_id
+
+    async def _catch_up(self, watch: bool) -> tuple[int, list[str]] | None:
+        """Replay every round whose payloads are all here, then join at the front a few steps on, so
+        that the others know to wait for us before our first payload is due, and take the rounds
+        until then. ``watch``: stop at a round one of whose payloads is lost to us
+        (core.rounds.lost_in_catch_up) and return it with its senders; None once caught up."""
         while not self._stop.is_set():
             exp = self.expected(self.book.step)
             if not exp or self.book.missing(self.book.step, exp):
@@ -604,9 +626,20 @@ class Peer:
             self._spawn(self.shell.carry_out(SendSync(target=pid, addr=m.addr, msg=self.members.sync_message())), "sync")
         while (self.book.step < start and not self._stop.is_set()
                and not self.is_last_round(self.book.step - 1)):  # no round comes after the last
-            exp = await self._wait_round(self.book.step)  # not active yet: we are not expected
-            await self.work(self.apply_round, self.book.take(self.book.step, exp, time.monotonic(),
-                                                               self.cfg.round_timeout))
+            step = self.book.step
+
+            def lost(exp: set[str]) -> list[str]:
+                return rounds.lost_in_catch_up(step, exp, lambda p: self.book.has(step, p), self.book.last_step_from)
+
+            exp = await self._wait_round(step, give_up=lost if watch else None)  # not active yet: not expected
+            if watch and (gone := lost(exp)):
+                return step, gone
+            result = self.book.take(step, exp, time.monotonic(), self.cfg.round_timeout)
+            if result.timed_out:
+                self.event("round-timeout", f"step {step} (catching up) went ahead without "
+                                            f"{', '.join(p[:8] for p in result.missing)}")
+            await self.work(self.apply_round, result)
+        return None
 
     @staticmethod
     def drop_missing(row_grads: dict, missing: dict) -> dict:

@@ -144,3 +144,12 @@ def test_snapshot_gap_names_the_senders_whose_round_after_the_snapshot_is_lost()
     last = {"a": 6, "b": 6, "c": 6, "d": 4}  # a sent round 6 (and 5 before it knew us); d has not sent 5 yet
     assert rounds.snapshot_gap(5, alive, lambda p: p in have, last) == ["a"]  # c does not contribute
     assert rounds.snapshot_gap(6, alive, lambda p: True, last) == []
+
+
+def test_a_round_is_lost_in_catch_up_once_a_later_payload_of_its_sender_came_instead():
+    have = {"b"}  # round 5's payloads here
+    last = {"a": 6, "b": 5, "d": 4}
+    # a's round 6 came, its round 5 never will (sends go in step order); d's round 5 is still to come
+    assert rounds.lost_in_catch_up(5, {"a", "b", "d"}, lambda p: p in have, last) == ["a"]
+    assert rounds.lost_in_catch_up(5, {"b", "d"}, lambda p: p in have, last) == []
+    assert rounds.lost_in_catch_up(5, {"a", "x"}, lambda p: False, {}) == []  # nothing heard: still waited for

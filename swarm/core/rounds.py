@@ -11,7 +11,7 @@ from typing import Callable, Collection, Mapping
 
 from .meta import PeerMeta
 
-__all__ = ["RESYNC_LAG", "expected", "declared_next", "behind", "must_resync", "pick_donor", "traffic_reaches_us"]
+__all__ = ["RESYNC_LAG", "expected", "declared_next", "behind", "lost_in_catch_up", "must_resync", "pick_donor", "traffic_reaches_us"]
 
 RESYNC_LAG = 8  # steps behind the furthest contributor after which a peer re-syncs its state
 
@@ -96,6 +96,17 @@ def snapshot_gap(step: int, alive: Mapping[str, PeerMeta], has: Callable[[str], 
     round older than the first payload that reached us). The snapshot is then too old to replay
     from: download a newer one."""
     return sorted(p for p, m in alive.items() if m.active and not has(p) and last_step_from.get(p, -1) >= step)
+
+
+def lost_in_catch_up(step: int, expected: Collection[str], has: Callable[[str], bool],
+                     last_step_from: Mapping[str, int]) -> list[str]:
+    """While a joiner replays the rounds between its snapshot and its first own one: the expected
+    senders whose round-``step`` payload is lost to it. A peer sends its payloads in step order,
+    so one whose later round reached us but not this one sent it before it knew us (with --overlap
+    it may send round s + 1 before a snapshot of step s is taken). Waiting for it would only end at
+    the round's deadline, with a round applied without it (a replica off the swarm's) and the
+    joiner's own first payload that late for everyone: the joiner downloads a newer snapshot."""
+    return sorted(p for p in expected if not has(p) and last_step_from.get(p, -1) > step)
 
 
 def traffic_reaches_us(alive: Mapping[str, PeerMeta], last_step_from: Mapping[str, int]) -> bool:
