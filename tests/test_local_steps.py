@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -404,8 +405,10 @@ async def test_a_window_pulls_its_rows_only_after_every_peers_pushes_of_the_last
     assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
 
 
-async def test_a_peer_joining_mid_run_syncs_at_a_window_boundary_and_agrees():
-    kw = dict(steps=48, sync_every=4, overlap=1)
+async def _join_mid_run(steps: int, tamper: Callable[[Peer, Peer], None] = lambda a, c: None, **joiner) -> tuple:
+    """Peers a and b in windows of 4 with --overlap; c joins through b once a is at round 3
+    (``tamper(a, c)`` first). Returns c and the three run summaries."""
+    kw = dict(steps=steps, sync_every=4, overlap=1)
     a = await _start(min_peers=2, **kw)
     b = await _start(min_peers=2, join=f"127.0.0.1:{a.port}", **kw)
     runs = [asyncio.ensure_future(a.run()), asyncio.ensure_future(b.run())]
@@ -413,13 +416,18 @@ async def test_a_peer_joining_mid_run_syncs_at_a_window_boundary_and_agrees():
     try:
         while a.book.step < 3:
             await asyncio.sleep(0.05)
-        c = await _start(join=f"127.0.0.1:{b.port}", **kw)
+        c = await _start(join=f"127.0.0.1:{b.port}", **kw, **joiner)
+        tamper(a, c)
         runs.append(asyncio.ensure_future(c.run()))
-        ra, rb, rc = await asyncio.wait_for(asyncio.gather(*runs), 150)
+        return (c, *await asyncio.wait_for(asyncio.gather(*runs), 150))
     finally:
         for p in (a, b, c):
             if p is not None:
                 await p.close()
+
+
+async def test_a_peer_joining_mid_run_syncs_at_a_window_boundary_and_agrees():
+    _, ra, rb, rc = await _join_mid_run(48)
     assert ra["steps"] == rb["steps"] == rc["steps"] == 48
     assert rc["state_bytes_received"] > 0
     assert ra["rounds_timed_out"] == rb["rounds_timed_out"] == rc["rounds_timed_out"] == 0  # no round lost
@@ -433,17 +441,10 @@ async def test_a_joiner_that_lost_a_round_while_catching_up_downloads_a_newer_st
     lets the later ones in once it replays. c must not wait that round out (15 s, then a replica
     off the swarm's and a first payload everyone waits for): a later payload of a's shows the
     round is lost, and c syncs a newer state."""
-    kw = dict(steps=64, sync_every=4, overlap=1)
-    a = await _start(min_peers=2, **kw)
-    b = await _start(min_peers=2, join=f"127.0.0.1:{a.port}", **kw)
-    runs = [asyncio.ensure_future(a.run()), asyncio.ensure_future(b.run())]
-    c = None
-    try:
-        while a.book.step < 3:
-            await asyncio.sleep(0.05)
-        c = await _start(join=f"127.0.0.1:{b.port}", sync_timeout=1.0, **kw)
-        held, dropped, snapshot = [], [], []  # snapshot: the step of each download
-        real_offer, real_announce = c.offer, c._announce
+    held, dropped, snapshot = [], [], []  # snapshot: the step of each download
+
+    def tamper(a: Peer, c: Peer) -> None:
+        real_offer, real_event = c.offer, c.event
 
         def offer(decoded, nbytes):
             if decoded.sender != a.id or len(snapshot) > 1:
@@ -456,19 +457,16 @@ async def test_a_joiner_that_lost_a_round_while_catching_up_downloads_a_newer_st
                 return real_offer(decoded, nbytes)
             return "accepted"
 
-        def announce(start):  # a download is in; the rounds before `start` are replayed next
-            snapshot.append(c.book.step)
-            real_announce(start)
-            while held:
-                offer(*held.pop(0))
+        def event(kind, detail, *args, **kw):
+            real_event(kind, detail, *args, **kw)
+            if kind == "synced":  # a download is in and checked; the rounds after it are replayed next
+                snapshot.append(c.book.step)
+                while held:
+                    offer(*held.pop(0))
 
-        c.offer, c._announce = offer, announce
-        runs.append(asyncio.ensure_future(c.run()))
-        ra, rb, rc = await asyncio.wait_for(asyncio.gather(*runs), 150)
-    finally:
-        for p in (a, b, c):
-            if p is not None:
-                await p.close()
+        c.offer, c.event = offer, event
+
+    c, ra, rb, rc = await _join_mid_run(64, tamper, sync_timeout=1.0)
     assert dropped and len(snapshot) >= 2 and snapshot[-1] > dropped[0]  # a newer state, with that round in it
     assert [e for e in c.events if e["kind"] == "sync-retry" and "is lost to us" in e["detail"]]
     assert ra["rounds_timed_out"] == rb["rounds_timed_out"] == rc["rounds_timed_out"] == 0
