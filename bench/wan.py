@@ -42,6 +42,9 @@ and sample budget (--steps inner steps x --batch-size x N), one after another:
                  request (not in the default set: --only swarm --only swarm-tls measures what TLS costs)
   swarm-h8/-h32  `peer.py` x N, local steps: --sync-every 8 (--overlap 1) / 32 and the LOCAL_STEP table
                  below (SparseLoCo-ish: topk-int2 at 2%, error feedback decayed 0.95, outer lr 1)
+  swarm-h32-lead `peer.py` x N, swarm-h32 with --push-lead auto: each window's row pushes go as many
+                 inner steps before its end as the last window's took (not in the default set: --only
+                 swarm-h32 --only swarm-h32-lead measures what that trades)
   swarm-diloco   `peer.py` x N, the swarm's dense DiLoCo: --sync-every 32 --compression none, outer
                  Nesterov SGD lr 0.7 momentum 0.9 (the DiLoCo paper's recipe; table DILOCO)
   ddp-sparse     bench/ddp_baseline.py x N: DDP-gloo, tables nn.Embedding(sparse=True) + SparseAdam
@@ -164,13 +167,14 @@ import delayline  # noqa: E402  (bench/delayline.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10  # running-mean window of the loss curves (= peer.py's progress line)
-METHODS = ("swarm", "swarm-overlap", "swarm-dense", "swarm-tls", "swarm-h8", "swarm-h32", "swarm-diloco", "ddp-sparse",
-           "ddp-dense", "torchft-diloco", "hivemind")
+METHODS = ("swarm", "swarm-overlap", "swarm-dense", "swarm-tls", "swarm-h8", "swarm-h32", "swarm-h32-lead", "swarm-diloco",
+           "ddp-sparse", "ddp-dense", "torchft-diloco", "hivemind")
 # run without --only: all but swarm-overlap (--overlap 1: per-step rounds overlapped with the next
 # step, for what that does: --only swarm --only swarm-overlap), swarm-dense (dense fp32 payloads
 # every step: ~12 min alone at 8mbit) and swarm-tls (the default swarm with a secret, so TLS on every link: for its cost, --only swarm
-# --only swarm-tls)
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("swarm-overlap", "swarm-dense", "swarm-tls"))
+# --only swarm-tls) and swarm-h32-lead (swarm-h32 with --push-lead auto: for what leading the row
+# pushes trades, --only swarm-h32 --only swarm-h32-lead)
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("swarm-overlap", "swarm-dense", "swarm-tls", "swarm-h32-lead"))
 TLS_SECRET = "swarm-wan-benchmark-secret-0123456789"  # any secret: a swarm with one runs TLS
 # synchronous baselines: their loss at step k does not depend on the link, so they run their budget
 # once (--sync-full-rate, default unshaped) and are only timed (--timing-steps) at each rate
@@ -485,6 +489,8 @@ SWARM_FLAGS = {
     "swarm-tls": ["--secret", TLS_SECRET],  # the default swarm, every link TLS 1.3 (docs/security.md)
     "swarm-h8": local_flags({**LOCAL_STEP, "overlap": True}, 8),  # short windows: the round overlapped
     "swarm-h32": local_flags(LOCAL_STEP, 32),
+    # the same, each window's row pushes led by as many inner steps as the last window's took
+    "swarm-h32-lead": local_flags({**LOCAL_STEP, "push_lead": "auto"}, 32),
     "swarm-diloco": local_flags(DILOCO, 32),
 }
 
@@ -1072,6 +1078,7 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "val_loss": val_end if steps <= a.steps else val_at(summaries, rounds),
            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
            "sync_every": [s.get("sync_every") for s in summaries],
+           "push_lead": [s.get("push_lead") for s in summaries],  # inner steps the row pushes led by (--push-lead)
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries]),
            "sent_by_kind": mean_by_kind([s.get("sent_by_kind") or {} for s in summaries]),
@@ -1285,7 +1292,7 @@ def _mean(xs: list[float]) -> float | None:
 
 COLORS = {"swarm": "C0", "swarm-dense": "C1", "swarm-tls": "C9", "swarm-overlap": "tab:cyan", "ddp-sparse": "C2",
           "ddp-dense": "C3", "hivemind": "C4",
-          "swarm-h8": "C5", "swarm-h32": "C6", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
+          "swarm-h8": "C5", "swarm-h32": "C6", "swarm-h32-lead": "tab:olive", "swarm-diloco": "C7", "torchft-diloco": "C8", "floor": "0.5"}
 
 
 def plot(per_rate: dict[str, dict[str, dict]], floor: dict, target: float | None, a, path: Path) -> None:

@@ -19,7 +19,7 @@ import traceback
 
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
-from .config import ConfigError, PeerConfig, field_names, from_env
+from .config import ConfigError, PeerConfig, field_names, from_env, parse_push_lead
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
 from .task_errors import TaskError, UserCodeError, parse_task_args
 
@@ -62,6 +62,13 @@ class _Version(argparse.Action):
 
         sys.stdout.write(line() + "\n")
         parser.exit(0)
+
+
+def _push_lead(raw: str) -> int:
+    try:
+        return parse_push_lead(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of inner steps, got {raw!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
     a("--row-lookahead", type=int, help="with --sync-every > 1: pull the rows of this many inner steps ahead while "
       f"one computes (each row once a window; default {d.row_lookahead})")
+    a("--push-lead", type=_push_lead, help="with --sync-every > 1: send a window's row deltas this many inner steps "
+      "before its end, so they travel while its last steps compute; those steps' row deltas go with the next "
+      "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took, none where "
+      "they took under half a step, at most H/4 (default 0)")
     a("--held-rows", type=int, help="with --sync-every > 1: rows of the last window kept, so that a pull asks their owners "
       f"only for the rows that changed since (0 = pull every row whole; default {d.held_rows})")
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "

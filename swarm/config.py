@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET, LimitsError, parse_budget
 from .threads import default_threads
@@ -76,6 +76,10 @@ class PeerConfig:
     # payload every floor(P / C) rounds, summing its steps between them (0: every peer, every round)
     max_contributors: int = 4
     row_ratio: float = 1.0  # with local steps: the share of a window's row deltas pushed (largest first; the rest carried)
+    # with local steps: a window's row deltas go this many inner steps before its end, so that they
+    # travel while its last steps compute; those steps' deltas are carried to the next push (0: at
+    # the end; -1, "auto": as many as the last window's pushes took, at most H/4: core/cadence.py push_lead)
+    push_lead: int = 0
     min_payload: int = 32768  # bytes: a gradient payload is never sparser than what fills this
     clip_norm: float = 0.0  # 0 = no clipping
     # model size and the sharded tables
@@ -189,6 +193,9 @@ class PeerConfig:
         need(0 <= self.max_contributors <= 4096, f"--max-contributors must be in 0..4096, got {self.max_contributors}")
         need(0 < self.row_ratio <= 1, f"--row-ratio must be in (0, 1], got {self.row_ratio}")
         need(self.row_ratio == 1 or self.sync_every > 1, "--row-ratio needs --sync-every > 1 (it selects window deltas)")
+        need(self.push_lead in (-1, 0) or 0 < self.push_lead < self.sync_every,
+             f"--push-lead must be auto or in 0..{max(0, self.sync_every - 1)} (inner steps before a window's end; "
+             f"more than 0 needs --sync-every > 1), got {self.push_lead}")
         need(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         need(0 <= self.min_payload <= 1 << 30, f"--min-payload must be in [0, 2**30] bytes, got {self.min_payload}")
         need(self.clip_norm >= 0, f"--clip-norm must be >= 0, got {self.clip_norm}")
@@ -312,6 +319,16 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(PeerConfig) if f.name not in ("extra", "task_args", "given")]
 
 
+def parse_push_lead(raw: str) -> int:
+    """--push-lead's value: "auto" (-1) or a count of inner steps."""
+    return -1 if raw.strip().lower() == "auto" else int(raw)
+
+
+# fields whose flag takes words as well as numbers: how a value is read (CLI and SWARM_* alike), and
+# what it must be
+PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {"push_lead": (parse_push_lead, "value (auto or an integer)")}
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Settings found in SWARM_* variables, converted to each field's type."""
     environ = os.environ if environ is None else environ
@@ -323,8 +340,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             continue
         raw = environ[key]
         kind = type(getattr(defaults, name))
+        read, what = PARSERS.get(name, (kind, kind.__name__))
         try:
-            out[name] = kind(raw)
+            out[name] = read(raw)
         except ValueError:
-            raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+            raise ConfigError(f"{key}={raw!r} is not a valid {what}") from None
     return out

@@ -4,8 +4,10 @@ A window: H times, a batch, its rows (each pulled at most once per window, table
 step of the task's optimizer on this peer's local model; then the window's pseudo-gradient (global
 minus local) goes through the codec (error feedback, --ef-decay) as round ``w``'s payload, the
 window's row deltas go to their primaries (applied there before the payload goes, so the next
-window pulls rows with every peer's window ``w`` in them), and the round's aggregate is one outer
-step on the global vector (swarm/outer.py) that every peer applies alike. A peer clearly slower
+window pulls rows with every peer's window ``w`` in them; with --push-lead L they go L inner steps
+before the window's end, so they travel while its last steps compute, and what those steps change
+joins the next window's push), and the round's aggregate is one outer step on the global vector
+(swarm/outer.py) that every peer applies alike. A peer clearly slower
 than the others takes fewer than H inner steps, so that its windows end when theirs do, and its
 payload says the samples behind it (core/cadence.py window_steps; docs/design.md "Uneven peers in
 windows").
@@ -45,6 +47,8 @@ class LocalSteps:
         self.fit = bool(peer.cfg.free_run) and not self.overlap
         # our last windows: w -> (its start, when each inner step ended, when its payload went), monotonic s
         self.windows: dict[int, tuple[float, list[float], float]] = {}
+        # our last windows' row pushes: w -> (when they went, when they were all answered or None)
+        self.pushed: dict[int, tuple[float, float | None]] = {}
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -69,6 +73,8 @@ class LocalSteps:
         # a peer slower than the others takes fewer inner steps, so the window ends when theirs do
         # (core/cadence.py window_steps); its payload says the samples behind it
         started, h, samples, ends = time.monotonic(), self.steps_for(w), 0, []
+        last = peer.is_last_round(w)
+        lead, pushed_early = self.lead(w, h, last), False
         await peer.work(rows.clear)
         peer.table_client.next_window()  # the last window's pulled rows: what this one's pulls may reuse
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
@@ -94,6 +100,10 @@ class LocalSteps:
                 peer.check_finite(stats, peer.inner_step - 1)
                 peer.record_contribution(stats, None)
                 samples += stats.samples if stats.finite else 0
+                if lead and i + 1 == h - lead:
+                    await self._push_early(role, w)
+                    pushed_early = True
+                    clock.mark("send")
                 if self.fit and cadence.end_window_now(h, i + 1, self.others_in(w)):
                     # the swarm's window is over and waits for us: this step was our last (what
                     # was pulled ahead for the steps left out is dropped below)
@@ -109,17 +119,19 @@ class LocalSteps:
                 fut.cancel()
             await asyncio.gather(*ahead, return_exceptions=True)
         peer.window_steps = h
+        if not last:  # the run's last window always pushes at its end: the summary says what the others did
+            peer.push_lead = lead if pushed_early else 0
         enc: Encoded = await peer.work(self._payload, w, h, samples)
-        last = peer.is_last_round(w)
-        # each peer's row delta counts 1/P, P the contributors: a row's update is the mean over the
-        # swarm of the peers' deltas (zero for a peer that did not touch it), as the dense part's
-        peers = 1 + sum(1 for m in peer.metas().values() if m.contributor)
-        pushes = await peer.work(rows.pushes, 1.0 / peers)
+        pushes = None
+        if pushed_early:  # the steps since the early push: their row deltas go with the next window's
+            await peer.work(rows.carry_tail, 1.0 / self._contributors())
+        else:
+            pushes = await peer.work(rows.pushes, 1.0 / self._contributors())
         # the rows go before the payload without --overlap (below), and the last window's always
         # (Peer._settle_rows relies on it); with --overlap the payload goes first, as the round waits for it
         rows_first = not self.overlap or last
-        if rows_first:
-            await role.push(pushes, {}, w)
+        if rows_first and pushes is not None:
+            await self._push(role, pushes, w)
         if not self.overlap:
             # the window's row deltas are applied (at their primaries and replicas) before its
             # payload goes: a peer has round w only once every contributor's pushes of window w
@@ -134,10 +146,11 @@ class LocalSteps:
                                    "the payload goes without waiting for them")
         peer.send_payload(enc)
         self.windows[w] = (started, ends, time.monotonic())
-        for old in [k for k in self.windows if k < w - 4]:
-            del self.windows[old]
-        if not rows_first:
-            await role.push(pushes, {}, w)
+        for book in (self.windows, self.pushed):
+            for old in [k for k in book if k < w - 4]:
+                del book[old]
+        if not rows_first and pushes is not None:
+            await self._push(role, pushes, w)
         peer.record_payload(enc)
         peer.sent_through = w
         clock.mark("send")
@@ -145,6 +158,57 @@ class LocalSteps:
             clock.end()
         peer.maybe_print()
         return True
+
+    def _contributors(self) -> int:
+        """P, the swarm's contributors: each peer's row delta counts 1/P, so a row's update is the
+        mean over the swarm of the peers' deltas (zero for a peer that did not touch it), as the
+        dense part's is."""
+        return 1 + sum(1 for m in self.peer.metas().values() if m.contributor)
+
+    async def _push_early(self, role: "Role", w: int) -> None:
+        """--push-lead: window ``w``'s row deltas so far go to their primaries now, in the
+        background, while the window's last inner steps compute (on a slow link they took the time
+        between the window's end and its payload); what those steps change after it is carried to
+        the next window's push (WindowRows.rebase, carry_tail). The payload still waits for them to
+        be answered, so the next window's rows hold every peer's push of this one."""
+        rows, scale = self.peer.window_rows, 1.0 / self._contributors()
+
+        def take() -> dict:
+            out = rows.pushes(scale)
+            rows.rebase()
+            return out
+
+        await self._push(role, await self.peer.work(take), w)
+
+    async def _push(self, role: "Role", pushes: dict, w: int) -> None:
+        """Window ``w``'s row pushes go (in the background), and when they are all answered is
+        noted: how long they took sets the next windows' --push-lead auto."""
+        await role.push(pushes, {}, w)
+        sent = time.monotonic()
+        self.pushed[w] = (sent, None)
+
+        async def landed() -> None:
+            if await self.peer.pushes_landed(self.peer.cfg.round_timeout) and self.pushed.get(w, (None,))[0] == sent:
+                self.pushed[w] = (sent, time.monotonic())
+
+        self.peer.spawn(landed(), "push-timing")
+
+    def lead(self, w: int, h: int, last: bool) -> int:
+        """Inner steps before the end of window ``w`` (of ``h``) at which its row pushes go:
+        --push-lead, or with auto what core/cadence.py push_lead makes of the newest of our windows
+        whose pushes were timed. None in the last window: nothing computes after it to hide them
+        behind, and the deltas of its last steps would stay carried."""
+        if last or h < 2:
+            return 0
+        if self.peer.cfg.push_lead >= 0:
+            return min(self.peer.cfg.push_lead, h - 1)
+        for r in sorted((r for r in self.pushed if r < w and r in self.windows), reverse=True):
+            sent, landed = self.pushed[r]
+            started, ends, _ = self.windows[r]
+            if landed is not None and ends:
+                steps = sorted(b - a for a, b in zip([started, *ends], ends))
+                return min(h - 1, cadence.push_lead(h, steps[len(steps) // 2], landed - sent))
+        return 0
 
     async def _next_batch(self, role: "Role") -> asyncio.Future:
         """Sample the next batch now (training thread) and start pulling the rows of it that this

@@ -169,6 +169,9 @@ class Peer:
         self.rounds_total = cfg.steps // cfg.sync_every  # rounds --steps stands for (0: no end)
         self.inner_step = 0  # inner steps of the window being computed, counted from the swarm's start
         self.window_steps = 0  # inner steps our last window took (fewer than --sync-every: a slow peer's)
+        # inner steps before our last window's end that its row pushes went (--push-lead; the run's
+        # last window, which always pushes at its end, leaves it as it was)
+        self.push_lead = 0
         self.sent_through = -1  # the last round computed and sent (with --overlap, one ahead of the rounds taken)
         self.window_rows: WindowRows | None = None
         self.local_steps = LocalSteps(self) if self.window > 1 else None

@@ -254,6 +254,9 @@ def test_local_flags_and_the_methods_flags():
     assert diloco[diloco.index("--compression") + 1] == "none" and diloco[diloco.index("--outer-nesterov") + 1] == "1"
     assert diloco[diloco.index("--outer-momentum") + 1] == "0.9" and "--overlap" not in diloco
     assert wan.SWARM_FLAGS["swarm"] == [] and wan.SWARM_FLAGS["swarm-dense"] == ["--compression", "none"]
+    # swarm-h32-lead is swarm-h32 with its row pushes led (--push-lead auto), measured beside it on request
+    assert wan.SWARM_FLAGS["swarm-h32-lead"] == h32 + ["--push-lead", "auto"] and "--push-lead" not in h32
+    assert "swarm-h32-lead" in wan.METHODS and "swarm-h32-lead" not in wan.DEFAULT_METHODS
 
 
 def test_sync_periods_and_the_budget_check():

@@ -332,6 +332,50 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
 
 
+async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_rows_agree():
+    """--push-lead 2 in windows of 4: every window's row pushes but the last go after its second
+    inner step, the dense replicas stay bit-identical and, once the last round is in (every push
+    applied at its primary and replicas, nobody gone yet), every table slot's holders agree."""
+    kw = dict(steps=24, min_peers=3, sync_every=4, push_lead=2, sketch_every=2)
+    peers = [await _start(**kw)]
+    peers += [await _start(join=f"127.0.0.1:{peers[0].port}", **kw) for _ in range(2)]
+    at: dict[str, list[int]] = {p.id: [] for p in peers}
+    held: dict[str, tuple] = {}  # peer -> (its view, {(table, slot): checksum}) at the last round
+    for p in peers:
+        push, after = p.push_rows, p.after_step
+
+        async def noted(row_grads, missing, step, p=p, push=push):
+            at[p.id].append(p.inner_step)
+            await push(row_grads, missing, step)
+
+        async def last_round(step, loss, p=p, after=after):
+            if step == 5:
+                omap = p.tables.map
+                held[p.id] = (omap.view, {(t, s): p.tables.shards[t].checksum(s) for t in ("ngram", "value")
+                                          for s in range(omap.n_slots(t)) if p.id in omap.owners(t, s)})
+            await after(step, loss)
+
+        p.push_rows, p.after_step = noted, last_round
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 150)
+    finally:
+        for p in peers:
+            await p.close()
+    for r in results:
+        assert r["steps"] == 24 and r["rounds_timed_out"] == 0 and r["resyncs"] == {}
+        assert r["val_loss"] < r["first_loss"] - 1.0 and r["push_lead"] == 2
+    assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"]
+    assert len({view for view, _ in held.values()}) == 1 and len(held) == 3
+    sums: dict[tuple, set] = {}
+    for _, slots in held.values():
+        for key, checksum in slots.items():
+            sums.setdefault(key, set()).add(checksum)
+    assert sums and all(len(v) == 1 for v in sums.values()), [k for k, v in sums.items() if len(v) > 1]
+    assert any(len([1 for _, slots in held.values() if k in slots]) > 1 for k in sums)  # replicated slots compared
+    for p in peers:  # windows 0..5: the first five pushed after inner step 2 of 4, the last at its end
+        assert at[p.id] == [4 * w + 2 for w in range(5)] + [24], at[p.id]
+
+
 @pytest.mark.parametrize("lookahead", [1, 3])
 async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_each_once(lookahead):
     """--row-lookahead L: before inner step i of a window computes, the batches of steps up to
@@ -553,6 +597,99 @@ def test_row_ratio_pushes_the_largest_row_deltas_and_carries_the_rest_to_the_nex
     # every row's deltas reached a push exactly once, row 2 with its two windows' sum
     assert set(total) == {1, 2, 3, 4} and w.carry["t"][0].size == 0
     assert torch.allclose(total[2], torch.tensor([0.2, 0.0]), atol=1e-5)
+
+
+def test_an_early_push_and_the_carried_tail_lose_no_row_delta_and_count_none_twice():
+    """--push-lead: the deltas pushed before the window's end plus what carry_tail keeps are the
+    window's whole deltas (with what earlier windows carried), row for row."""
+    w = WindowRows({"t": 2}, RowOptConfig(kind="adam", lr=0.1), ratio=0.5)
+    ids = np.array([1, 2, 3, 4, 5])
+    pulled = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    w.add({"t": ids}, {"t": pulled}, {"t": np.array([5])})  # row 5: never served, never pushed
+    g = torch.tensor([[4.0, 1], [1, 0], [3, -2], [0.5, 0], [1, 1]])
+    w.update({"t": (ids, g)})
+    w.update({"t": (ids[:2], g[:2])})
+    sent = w.pushes(scale=0.5)["t"]  # the early push: half of the rows, the rest carried
+    w.rebase()
+    assert torch.equal(w.rows({"t": ids})["t"], w.tables["t"].orig)  # the peer keeps its own progress
+    w.update({"t": (ids[1:4], g[1:4])})  # the window's last inner steps
+    w.update({"t": (np.array([3]), g[2:3])})
+    final = w.rows({"t": ids})["t"]
+    w.carry_tail(scale=0.5)
+    total: dict[int, torch.Tensor] = {}
+    for i, d in zip(*sent):
+        total[int(i)] = d.clone()
+    for i, d in zip(*w.carry["t"]):
+        total[int(i)] = total.get(int(i), torch.zeros(2)) + d
+    assert set(total) == {1, 2, 3, 4}  # every served row it stepped, the unserved one never
+    for k, i in enumerate(ids[:4]):
+        assert torch.allclose(total[int(i)], (pulled[k] - final[k]) * 0.5, atol=1e-6), int(i)
+    # the carry joins the next window's push whole
+    carried_ids, carried = w.carry["t"]
+    w.clear()
+    w.ratio = 1.0
+    ids2, deltas2 = w.pushes()["t"]
+    assert ids2.tolist() == carried_ids.tolist() and torch.equal(deltas2, carried) and not w.carry["t"][0].size
+
+
+def test_carry_tail_keeps_the_largest_carried_rows_within_the_cap():
+    w = WindowRows({"t": 1}, RowOptConfig(kind="adam", lr=1.0), carry_cap=2)
+    ids = np.array([1, 2, 3])
+    w.add({"t": ids}, {"t": torch.zeros(3, 1)}, {})
+    for stepped in (ids, ids[1:], ids[1:2]):  # row 2 moves three times, row 3 twice, row 1 once
+        w.update({"t": (stepped, torch.ones(len(stepped), 1))})
+    w.carry_tail()
+    assert w.carry["t"][0].tolist() == [2, 3] and w.dropped == 1
+
+
+def test_push_lead_auto_covers_the_last_windows_pushes_within_a_quarter_window():
+    from swarm.core.cadence import push_lead
+
+    assert push_lead(32, 0.25, 0.05) == 0  # under half a step: not worth a delayed delta
+    assert push_lead(32, 0.25, 0.2) == 1
+    assert push_lead(32, 0.25, 1.5) == 6  # 8mbit: the pushes took six steps
+    assert push_lead(32, 0.25, 9.0) == 8  # at most H / 4
+    assert push_lead(4, 0.1, 0.3) == 1 and push_lead(2, 0.1, 5.0) == 0 and push_lead(1, 0.1, 5.0) == 0
+    assert push_lead(32, float("nan"), 1.0) == 0 and push_lead(32, 0.0, 1.0) == 0 and push_lead(32, 0.2, float("inf")) == 0
+
+
+def test_push_lead_auto_reads_the_newest_window_whose_pushes_were_timed():
+    from types import SimpleNamespace
+
+    from swarm.local_steps import LocalSteps
+
+    cfg = SimpleNamespace(sync_every=32, overlap=0, free_run=1, push_lead=-1)
+    ls = LocalSteps(SimpleNamespace(cfg=cfg))
+    assert ls.lead(0, 32, last=False) == 0  # nothing timed yet: the pushes go at the end
+    ends = [0.25 * (i + 1) for i in range(32)]
+    ls.windows[0] = (0.0, ends, 8.2)
+    ls.pushed[0] = (8.0, 9.5)  # 1.5 s for quarter-second steps
+    ls.windows[1] = (10.0, [10.0 + e for e in ends], 18.1)
+    ls.pushed[1] = (18.0, None)  # not answered (yet): not a measurement
+    assert ls.lead(2, 32, last=False) == 6
+    assert ls.lead(2, 32, last=True) == 0  # the last window pushes at its end
+    assert ls.lead(2, 4, last=False) == 1  # a short window (a slow peer's): its quarter
+    cfg.push_lead = 3
+    assert ls.lead(2, 32, last=False) == 3 and ls.lead(2, 2, last=False) == 1
+    cfg.push_lead = 0
+    assert ls.lead(2, 32, last=False) == 0
+
+
+def test_push_lead_is_auto_or_a_count_of_inner_steps_below_h():
+    assert PeerConfig().push_lead == 0
+    assert parse_config(["--sync-every", "8", "--push-lead", "auto"])[0].push_lead == -1
+    assert parse_config(["--sync-every", "8", "--push-lead", "3"])[0].push_lead == 3
+    assert parse_config(["--push-lead", "0"])[0].push_lead == 0
+    for bad in (dict(push_lead=3), dict(sync_every=8, push_lead=8), dict(sync_every=8, push_lead=-2)):
+        with pytest.raises(ConfigError, match="--push-lead"):
+            PeerConfig(**bad).validate()
+    assert "push_lead" not in settings.given(PeerConfig(sync_every=8, steps=64, push_lead=2))  # a peer's own
+    r = run_cli("--sync-every", "8", "--push-lead", "soon")
+    assert r.returncode == 2 and "--push-lead" in r.stderr and "Traceback" not in r.stderr
+    from swarm.config import from_env
+    assert from_env({"SWARM_PUSH_LEAD": "auto"}) == {"push_lead": -1}
+    with pytest.raises(ConfigError, match="SWARM_PUSH_LEAD"):
+        from_env({"SWARM_PUSH_LEAD": "soon"})
 
 
 def test_held_rows_offer_the_last_windows_pulls_only_in_their_dtype_and_within_the_cap():

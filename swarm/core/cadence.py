@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
-__all__ = ["cap_stride", "phase", "next_round", "window_steps", "end_window_now", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN",
+__all__ = ["cap_stride", "phase", "next_round", "window_steps", "end_window_now", "push_lead", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN",
            "MAX_STRIDE", "WINDOW_FIT"]
 
 SLOW_FACTOR = 1.5  # compute this x longer than the swarm's median: stop holding rounds up
@@ -32,6 +32,7 @@ FAST_AGAIN = 1.2  # ... and hold them again (wait for each round) once under thi
 MIN_SEEN = 8  # steps of our own timed before we judge
 MAX_STRIDE = 8  # rounds between two payloads of one peer, at most (well under max_staleness)
 MARGIN = 1.2  # a free-running peer declares rounds its compute fits into with this much to spare
+LEAD_SHARE = 4  # --push-lead auto leads a window's row pushes by at most 1/this of its inner steps
 WINDOW_FIT = 1.1  # a whole window is shortened only when it ended over this x later than the others' (or cut with over 1 - 1/this of it left)
 
 
@@ -96,6 +97,18 @@ def end_window_now(h: int, done: int, others_in: bool) -> bool:
     with more than WINDOW_FIT's worth of it and at least 2 steps left, so equal peers do not cut a
     step or two on noise."""
     return others_in and 1 <= done < h and (h - done) > max(1.0, (WINDOW_FIT - 1) * h)
+
+
+def push_lead(h: int, step_s: float, push_s: float) -> int:
+    """Inner steps before the end of a window of ``h`` at which its row pushes go (--push-lead
+    auto), from the last window measured: ``push_s``, how long its pushes took from sent to
+    answered; ``step_s``, its inner steps' median time. As many steps as cover the pushes, so the
+    payload, which waits for them, need not (they travel while the last steps compute); none where
+    they take under half a step (not worth carrying a single step's row deltas to the next window);
+    at most ``h`` // LEAD_SHARE, as those steps' deltas go a window late, which costs loss."""
+    if h < 2 or not (math.isfinite(step_s) and math.isfinite(push_s)) or step_s <= 0 or push_s < step_s / 2:
+        return 0
+    return min(h // LEAD_SHARE, math.ceil(push_s / step_s))
 
 
 def _median(xs) -> float | None:

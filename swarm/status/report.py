@@ -45,6 +45,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "rounds": peer.book.step,
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
         "window_steps": peer.window_steps,  # inner steps our last window took (< sync_every: we are slow)
+        "push_lead": peer.push_lead,  # inner steps before our last window's end that its row pushes went
         "bytes_per_sample": bytes_per_sample(peer),
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
@@ -112,6 +113,7 @@ def status(peer: "Peer") -> dict:
         "inner_step": peer.position(),
         "sync_every": peer.window,
         "window_steps": peer.window_steps,
+        "push_lead": peer.push_lead,
         "overlap": peer.overlap,  # a host group's ranks do not overlap
         "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,

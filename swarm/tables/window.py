@@ -172,17 +172,11 @@ class WindowRows:
         """The window's push: {table: (ids, deltas)}, each delta the row as pulled minus its working
         copy (the primary subtracts it), of the served rows it touched, plus what earlier windows
         carried. With ``ratio`` < 1 only that share of the rows goes, those of the largest L2 norm;
-        the others are carried to the next window's push (called once per window)."""
+        the others are carried to the next window's push (called once per window: at its end, or
+        --push-lead inner steps before it, then rebase() and, at the end, carry_tail())."""
         out = {}
         for t, r in self.tables.items():
-            keep = torch.from_numpy(r.stepped & ~r.absent)
-            ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep] * scale
-            c_ids, c_deltas = self.carry[t]
-            if c_ids.size:
-                all_ids, inverse = np.unique(np.concatenate([ids, c_ids]), return_inverse=True)
-                merged = torch.zeros(len(all_ids), r.dim)
-                merged.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([deltas, c_deltas]))
-                ids, deltas = all_ids, merged
+            ids, deltas = self._deltas_and_carry(t, r, scale)
             if self.ratio >= 1 or not ids.size:
                 out[t] = (ids, deltas)
                 self.carry[t] = (ids[:0], deltas[:0])
@@ -195,6 +189,45 @@ class WindowRows:
             out[t] = (ids[send], deltas[torch.from_numpy(send)])
             self.carry[t] = (ids[rest], deltas[torch.from_numpy(rest)])
         return out
+
+    def _deltas_and_carry(self, t: str, r: _Rows, scale: float) -> tuple[np.ndarray, torch.Tensor]:
+        """Table ``t``'s deltas since the window's starting point (rows as pulled, or as of an early
+        push), of the served rows stepped since, scaled, plus what earlier windows carried
+        (sorted ids, one delta each)."""
+        keep = torch.from_numpy(r.stepped & ~r.absent)
+        ids, deltas = r.ids[keep.numpy()], (r.orig - r.rows)[keep] * scale
+        c_ids, c_deltas = self.carry[t]
+        if not c_ids.size:
+            return ids, deltas
+        all_ids, inverse = np.unique(np.concatenate([ids, c_ids]), return_inverse=True)
+        merged = torch.zeros(len(all_ids), r.dim)
+        merged.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([deltas, c_deltas]))
+        return all_ids, merged
+
+    def rebase(self) -> None:
+        """After an early push (--push-lead): the working copy as it is now becomes the window's
+        starting point, so what the window's remaining inner steps do is a delta of its own
+        (carry_tail), and no row's delta is counted twice. The rows stay as they are: the peer keeps
+        training on its own progress."""
+        for r in self.tables.values():
+            r.orig = r.rows.clone()
+            r.stepped = np.zeros_like(r.stepped)
+
+    def carry_tail(self, scale: float = 1.0) -> None:
+        """The window ends after an early push: the deltas of its remaining inner steps (rows as of
+        the push minus the working copy, scaled as a push is) join the carried deltas, to go with
+        the rows' next push (error feedback, as the rows --row-ratio leaves out); the smallest
+        beyond ``carry_cap`` rows are dropped and counted."""
+        for t, r in self.tables.items():
+            ids, deltas = self._deltas_and_carry(t, r, scale)
+            if ids.size > self.carry_cap:
+                order = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)
+                keep_rows = np.sort(order[:self.carry_cap].numpy())
+                self.dropped += ids.size - self.carry_cap
+                ids, deltas = ids[keep_rows], deltas[torch.from_numpy(keep_rows)]
+            self.carry[t] = (ids, deltas)
+            r.orig = r.rows.clone()
+            r.stepped = np.zeros_like(r.stepped)
 
     def clear(self) -> None:
         """A new window: nothing pulled yet. The row optimizer's state of the rows the ended window

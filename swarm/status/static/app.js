@@ -225,6 +225,7 @@ function render(s) {
     (s.sync_every > 1 ? ` · windows of ${s.sync_every} inner steps${s.overlap ? ", overlapped" : ""}` +
       ` (inner step ${fmtInt(s.inner_step)}` +
       (s.window_steps && s.window_steps < s.sync_every ? `; this peer is slower: ${fmtInt(s.window_steps)} a window` : "") +
+      (s.push_lead ? `; row pushes ${fmtInt(s.push_lead)} steps before the end` : "") +
       ")" : s.overlap ? " · rounds overlapped" : "");
   const t = s.task;
   const lm = !t || t.tokens_per_sample > 0;  // a language model counts tokens, other tasks samples
