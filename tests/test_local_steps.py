@@ -336,7 +336,8 @@ async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_
     """--push-lead 2 in windows of 4: every window's row pushes but the last go after its second
     inner step, the dense replicas stay bit-identical and, once the last round is in (every push
     applied at its primary and replicas, nobody gone yet), every table slot's holders agree."""
-    kw = dict(steps=24, min_peers=3, sync_every=4, push_lead=2, sketch_every=2)
+    # free_run 0: whole windows (a peer lagging under load would otherwise cut one, and push at its cut)
+    kw = dict(steps=24, min_peers=3, sync_every=4, push_lead=2, sketch_every=2, free_run=0)
     peers = [await _start(**kw)]
     peers += [await _start(join=f"127.0.0.1:{peers[0].port}", **kw) for _ in range(2)]
     at: dict[str, list[int]] = {p.id: [] for p in peers}
