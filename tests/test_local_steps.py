@@ -512,7 +512,10 @@ async def test_a_joiner_that_lost_a_round_while_catching_up_downloads_a_newer_st
         c.offer, c.event = offer, event
 
     c, ra, rb, rc = await _join_mid_run(64, tamper, sync_timeout=1.0)
-    assert dropped and len(snapshot) >= 2 and snapshot[-1] > dropped[0]  # a newer state, with that round in it
+    # a's payload of the round after the first snapshot never reached c: dropped here or, on a busy
+    # machine, sent before a knew c (the case this stands for: nothing was offered to drop)
+    assert dropped in ([], [snapshot[0]])
+    assert len(snapshot) >= 2 and snapshot[-1] > snapshot[0]  # a newer state, with that round in it
     assert [e for e in c.events if e["kind"] == "sync-retry" and "is lost to us" in e["detail"]]
     assert ra["rounds_timed_out"] == rb["rounds_timed_out"] == rc["rounds_timed_out"] == 0
     assert ra["steps"] == rb["steps"] == rc["steps"] == 64 and 0 < rc["steps_contributed"] < 64
