@@ -205,9 +205,8 @@ class LocalSteps:
         for r in sorted((r for r in self.pushed if r < w and r in self.windows), reverse=True):
             sent, landed = self.pushed[r]
             started, ends, _ = self.windows[r]
-            if landed is not None and ends:
-                steps = sorted(b - a for a, b in zip([started, *ends], ends))
-                return min(h - 1, cadence.push_lead(h, steps[len(steps) // 2], landed - sent))
+            if landed is not None:
+                return min(h - 1, cadence.push_lead(h, [e - started for e in ends], landed - sent))
         return 0
 
     async def _next_batch(self, role: "Role") -> asyncio.Future:

@@ -647,7 +647,10 @@ def test_carry_tail_keeps_the_largest_carried_rows_within_the_cap():
 
 
 def test_push_lead_auto_covers_the_last_windows_pushes_within_a_quarter_window():
-    from swarm.core.cadence import push_lead
+    from swarm.core import cadence
+
+    def push_lead(h: int, step_s: float, push_s: float) -> int:  # a window of h steps of step_s each
+        return cadence.push_lead(h, [step_s * (i + 1) for i in range(h)], push_s)
 
     assert push_lead(32, 0.25, 0.05) == 0  # under half a step: not worth a delayed delta
     assert push_lead(32, 0.25, 0.2) == 1
@@ -655,6 +658,9 @@ def test_push_lead_auto_covers_the_last_windows_pushes_within_a_quarter_window()
     assert push_lead(32, 0.25, 9.0) == 8  # at most H / 4
     assert push_lead(4, 0.1, 0.3) == 1 and push_lead(2, 0.1, 5.0) == 0 and push_lead(1, 0.1, 5.0) == 0
     assert push_lead(32, float("nan"), 1.0) == 0 and push_lead(32, 0.0, 1.0) == 0 and push_lead(32, 0.2, float("inf")) == 0
+    assert cadence.push_lead(32, [], 1.0) == 0  # no step timed
+    # the median step is the unit: one slow first step (its rows' pulls) does not shorten the lead
+    assert cadence.push_lead(32, [2.0] + [2.0 + 0.25 * (i + 1) for i in range(31)], 1.5) == 6
 
 
 def test_push_lead_auto_reads_the_newest_window_whose_pushes_were_timed():

@@ -99,14 +99,17 @@ def end_window_now(h: int, done: int, others_in: bool) -> bool:
     return others_in and 1 <= done < h and (h - done) > max(1.0, (WINDOW_FIT - 1) * h)
 
 
-def push_lead(h: int, step_s: float, push_s: float) -> int:
+def push_lead(h: int, ends: Sequence[float], push_s: float) -> int:
     """Inner steps before the end of a window of ``h`` at which its row pushes go (--push-lead
-    auto), from the last window measured: ``push_s``, how long its pushes took from sent to
-    answered; ``step_s``, its inner steps' median time. As many steps as cover the pushes, so the
-    payload, which waits for them, need not (they travel while the last steps compute); none where
-    they take under half a step (not worth carrying a single step's row deltas to the next window);
-    at most ``h`` // LEAD_SHARE, as those steps' deltas go a window late, which costs loss."""
-    if h < 2 or not (math.isfinite(step_s) and math.isfinite(push_s)) or step_s <= 0 or push_s < step_s / 2:
+    auto), from the last window measured: ``ends``, when each of its inner steps ended (seconds
+    from its start), whose median step time is the unit; ``push_s``, how long its pushes took from
+    sent to answered. As many steps as cover the pushes, so the payload, which waits for them, need
+    not (they travel while the last steps compute); none where they take under half a step (not
+    worth carrying a single step's row deltas to the next window); at most ``h`` // LEAD_SHARE, as
+    those steps' deltas go a window late, which costs loss."""
+    step_s = _median(b - a for a, b in zip([0.0, *ends], ends))
+    if h < 2 or step_s is None or not (math.isfinite(step_s) and math.isfinite(push_s)) or step_s <= 0 \
+            or push_s < step_s / 2:
         return 0
     return min(h // LEAD_SHARE, math.ceil(push_s / step_s))
 

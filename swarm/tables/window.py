@@ -177,18 +177,25 @@ class WindowRows:
         out = {}
         for t, r in self.tables.items():
             ids, deltas = self._deltas_and_carry(t, r, scale)
-            if self.ratio >= 1 or not ids.size:
-                out[t] = (ids, deltas)
-                self.carry[t] = (ids[:0], deltas[:0])
-                continue
-            k = max(1, int(np.ceil(self.ratio * ids.size)))
-            order = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)
-            send = np.sort(order[:k].numpy())
-            rest = np.sort(order[k:k + self.carry_cap].numpy())
-            self.dropped += max(0, ids.size - k - self.carry_cap)
-            out[t] = (ids[send], deltas[torch.from_numpy(send)])
-            self.carry[t] = (ids[rest], deltas[torch.from_numpy(rest)])
+            k = ids.size if self.ratio >= 1 else max(1, int(np.ceil(self.ratio * ids.size)))
+            out[t] = self._send_largest(t, ids, deltas, k)
         return out
+
+    def _send_largest(self, t: str, ids: np.ndarray, deltas: torch.Tensor, k: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Of table ``t``'s row deltas (sorted ids), the ``k`` of the largest L2 norm go (returned,
+        sorted); the rest become the carry, beyond ``carry_cap`` rows the smallest dropped and counted."""
+        if k >= ids.size:
+            self.carry[t] = (ids[:0], deltas[:0])
+            return ids, deltas
+        if k == 0 and ids.size <= self.carry_cap:
+            self.carry[t] = (ids, deltas)
+            return ids[:0], deltas[:0]
+        order = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)
+        send = np.sort(order[:k].numpy())
+        rest = np.sort(order[k:k + self.carry_cap].numpy())
+        self.dropped += max(0, ids.size - k - self.carry_cap)
+        self.carry[t] = (ids[rest], deltas[torch.from_numpy(rest)])
+        return ids[send], deltas[torch.from_numpy(send)]
 
     def _deltas_and_carry(self, t: str, r: _Rows, scale: float) -> tuple[np.ndarray, torch.Tensor]:
         """Table ``t``'s deltas since the window's starting point (rows as pulled, or as of an early
@@ -219,15 +226,8 @@ class WindowRows:
         the rows' next push (error feedback, as the rows --row-ratio leaves out); the smallest
         beyond ``carry_cap`` rows are dropped and counted."""
         for t, r in self.tables.items():
-            ids, deltas = self._deltas_and_carry(t, r, scale)
-            if ids.size > self.carry_cap:
-                order = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)
-                keep_rows = np.sort(order[:self.carry_cap].numpy())
-                self.dropped += ids.size - self.carry_cap
-                ids, deltas = ids[keep_rows], deltas[torch.from_numpy(keep_rows)]
-            self.carry[t] = (ids, deltas)
-            r.orig = r.rows.clone()
-            r.stepped = np.zeros_like(r.stepped)
+            self._send_largest(t, *self._deltas_and_carry(t, r, scale), k=0)
+        self.rebase()
 
     def clear(self) -> None:
         """A new window: nothing pulled yet. The row optimizer's state of the rows the ended window
