@@ -14,6 +14,10 @@ over --pairs is printed, and the LAST stdout line is one JSON object. Linux only
 
     python3 bench/cpu_split.py                 # 4 peers, 3 pairs, ~4 minutes
     python3 bench/cpu_split.py --pair tls      # together in plain HTTP vs together with a secret (TLS)
+    python3 bench/cpu_split.py --peer-args "--sync-every 32 --compression topk-int2"   # another mode
+
+--peer-args adds the same peer.py flags to every peer of both runs of a pair (the swarm's mode, its
+codec, ...), so the split can be read for a configuration other than the default one.
 
 With --pair tls each pair is (together, tls): the same swarm without and with a --secret, so every
 link TLS 1.3 and every request MACed; the difference is what TLS costs in CPU per peer-step.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -85,6 +90,22 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def peer_argv(a, mode: str, i: int, port: int, first: int | None) -> list[str]:
+    """peer.py's command line for peer ``i`` of a run (``first``: the first peer's port, None for it)."""
+    argv = [sys.executable, str(ROOT / "peer.py"), "--port", str(port), "--steps", str(a.steps),
+            "--table-rows", str(a.table_rows), "--threads", "1", "--name", f"p{i}",
+            "--progress-interval", "0", "--eval-every", "0", *a.peer_args]
+    if mode == "tls":
+        argv += ["--secret", TLS_SECRET]
+    if mode in ("together", "tls"):
+        argv += ["--min-peers", str(a.peers)]
+        if first is not None:
+            argv += ["--join", f"127.0.0.1:{first}"]
+    else:
+        argv += ["--min-peers", "1"]
+    return argv
+
+
 def run(mode: str, a, tmp: Path) -> dict:
     """One run of --peers peers (``mode``: "alone", "together", or "tls": together with a --secret);
     CPU ms per peer-step by role."""
@@ -95,17 +116,7 @@ def run(mode: str, a, tmp: Path) -> dict:
     try:
         for i in range(a.peers):
             port = free_port()
-            argv = [sys.executable, str(ROOT / "peer.py"), "--port", str(port), "--steps", str(a.steps),
-                    "--table-rows", str(a.table_rows), "--threads", "1", "--name", f"p{i}",
-                    "--progress-interval", "0", "--eval-every", "0"]
-            if mode == "tls":
-                argv += ["--secret", TLS_SECRET]
-            if mode in ("together", "tls"):
-                argv += ["--min-peers", str(a.peers)]
-                if first is not None:
-                    argv += ["--join", f"127.0.0.1:{first}"]
-            else:
-                argv += ["--min-peers", "1"]
+            argv = peer_argv(a, mode, i, port, first)
             log = tmp / f"{mode}-{i}.out"
             logs.append(log)
             with log.open("w") as out:  # the child keeps its own descriptor
@@ -143,7 +154,15 @@ def main() -> int:
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds before the window (start-up, hand-off)")
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured")
+    ap.add_argument("--peer-args", default="", metavar="FLAGS",
+                    help="peer.py flags for every peer of both runs, one shell-quoted string "
+                         "(e.g. \"--sync-every 32 --batch-size 16\")")
     a = ap.parse_args()
+    try:
+        a.peer_args = shlex.split(a.peer_args)
+    except ValueError as e:
+        print(f"--peer-args: {e}", file=sys.stderr)
+        return 2
     if not os.path.isdir("/proc/self/task"):
         print("bench/cpu_split.py needs Linux's /proc; nothing measured")
         print(json.dumps({"skipped": "no /proc"}))
@@ -175,6 +194,7 @@ def main() -> int:
     result = {
         "peers": a.peers,
         "pair": list(modes),
+        "peer_args": a.peer_args,
         f"cpu_ratio_{second}_over_{first}": statistics.median(p["ratio"] for p in pairs),
         "ratios": [p["ratio"] for p in pairs],
         "ms_per_peer_step": {m: statistics.median(p[m]["ms_per_peer_step"] for p in pairs) for m in modes},

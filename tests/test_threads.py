@@ -66,6 +66,19 @@ def test_cpu_split_reads_cpu_per_role():
     assert "loop" in after  # the main thread
 
 
+def test_cpu_split_gives_every_peer_the_peer_args_and_refuses_bad_quoting(capsys, monkeypatch):
+    from types import SimpleNamespace
+    mod = _cpu_split()
+    a = SimpleNamespace(steps=416, table_rows=32768, peers=4, peer_args=["--sync-every", "32"])
+    for mode, first in (("alone", None), ("together", 5000), ("tls", 5000)):
+        argv = mod.peer_argv(a, mode, 1, 6000, first)
+        assert argv[argv.index("--sync-every") + 1] == "32" and argv[argv.index("--port") + 1] == "6000"
+        assert ("--join" in argv) is (mode != "alone")
+    monkeypatch.setattr(sys, "argv", ["cpu_split.py", "--peer-args", '"--sync-every 32'])
+    assert mod.main() == 2
+    assert "--peer-args" in capsys.readouterr().err
+
+
 def _cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
