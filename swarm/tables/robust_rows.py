@@ -163,21 +163,21 @@ def agreement(g: np.ndarray, inv: np.ndarray, who: np.ndarray, n: int,
     if not shared.any():
         return np.zeros(n), np.zeros(n, np.int64)
     e = np.flatnonzero(shared)
-    rows = inv[e]
-    order = np.argsort(rows, kind="stable")  # entries by row (then as they came): a fixed sum order
-    rs = rows[order]
+    e = e[np.argsort(inv[e], kind="stable")]  # entries by row (then as they came): a fixed sum order
+    rs = inv[e]
     starts = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
-    total = np.add.reduceat(g[e[order]], starts, axis=0)  # each shared row's sum over active senders
-    slot = np.empty(len(e), np.int64)
-    slot[order] = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(e)]))
     mine = g[e]
-    others = total[slot] - mine
-    on = np.sqrt(np.add.reduce(np.square(others), axis=1))
-    gn = np.sqrt(np.add.reduce(np.square(mine), axis=1))
-    along = np.add.reduce(mine * others, axis=1) / np.where(on > 0, on, 1.0)
-    num = np.bincount(who[e], weights=along, minlength=n)
-    den = np.bincount(who[e], weights=gn, minlength=n)
-    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0), np.bincount(who[e], minlength=n)
+    total = np.add.reduceat(mine, starts, axis=0)  # each shared row's sum over active senders
+    others = total[np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(e)]))]
+    others -= mine
+    # row-wise dot products without [E, dim] temporaries: this runs on every flush of a primary
+    on = np.sqrt(np.einsum("ij,ij->i", others, others))
+    gn = np.sqrt(np.einsum("ij,ij->i", mine, mine))
+    along = np.einsum("ij,ij->i", mine, others) / np.where(on > 0, on, 1.0)
+    by = who[e]
+    num = np.bincount(by, weights=along, minlength=n)
+    den = np.bincount(by, weights=gn, minlength=n)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0), np.bincount(by, minlength=n)
 
 
 def combine(parts: list[Part], clip: float, remembered: list[float] | tuple = (), agree: bool = True) -> Combined:
