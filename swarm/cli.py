@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
       "they took under half a step, at most H/4 (default 0)")
     a("--held-rows", type=int, help="with --sync-every > 1: rows of the last window kept, so that a pull asks their owners "
       f"only for the rows that changed since (0 = pull every row whole; default {d.held_rows})")
+    a("--push-ack", choices=("auto", "applied", "replicated"),
+      help="when this peer, as a table primary, answers a row push: applied (once its flush is applied here; the "
+           "replicas get the flush before the next one), replicated (once its replicas have replayed it too) or auto "
+           "(applied with --sync-every > 1, replicated with per-step rounds; default auto)")
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
       f"per row (default {d.push_window:g})")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")

@@ -103,6 +103,10 @@ class PeerConfig:
     # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
     held_rows: int = 1 << 17
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
+    # when a primary answers a row push: "applied" (its flush is applied here; the replicas get it
+    # before the next flush), "replicated" (its replicas have replayed it too), "auto" (applied with
+    # --sync-every > 1, replicated with per-step rounds); a primary's own choice (docs/design.md)
+    push_ack: str = "auto"
     linger: float = 20.0  # after --steps, keep serving rows this long for peers still evaluating
     # replicas compare param_sketches every this many steps and re-sync one that differs (0 = off)
     sketch_every: int = 100
@@ -139,6 +143,13 @@ class PeerConfig:
 
     def is_given(self, name: str) -> bool:
         return name in self.given or getattr(self, name) != getattr(_DEFAULTS, name)
+
+    def acks_when_applied(self, window: int) -> bool:
+        """Whether this peer, as a table primary, answers a row push once its flush is applied here
+        rather than once its replicas replayed it too (--push-ack; ``window``: the swarm's agreed
+        --sync-every). auto: applied with local steps, whose window barrier would otherwise wait for
+        the replays on every window (docs/design.md, "When a primary answers a push")."""
+        return self.push_ack == "applied" or (self.push_ack == "auto" and window > 1)
 
     def pull_dtype(self) -> str:
         """The dtype this peer's row pulls ask for: --row-dtype, or by default int8 for per-step
@@ -213,6 +224,7 @@ class PeerConfig:
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
         need(0 <= self.held_rows <= 1 << 24, f"--held-rows must be in [0, 2**24] rows, got {self.held_rows}")
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
+        need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
@@ -317,6 +329,9 @@ _DEFAULTS = PeerConfig()
 
 def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(PeerConfig) if f.name not in ("extra", "task_args", "given")]
+
+
+PUSH_ACKS = ("auto", "applied", "replicated")
 
 
 def parse_push_lead(raw: str) -> int:

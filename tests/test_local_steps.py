@@ -335,7 +335,8 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
 async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_rows_agree():
     """--push-lead 2 in windows of 4: every window's row pushes but the last go after its second
     inner step, the dense replicas stay bit-identical and, once the last round is in (every push
-    applied at its primary and replicas, nobody gone yet), every table slot's holders agree."""
+    applied at its primary) and the primaries' replays of it have landed (a push is answered when
+    applied: --push-ack auto), nobody gone yet, every table slot's holders agree."""
     # free_run 0: whole windows (a peer lagging under load would otherwise cut one, and push at its cut)
     kw = dict(steps=24, min_peers=3, sync_every=4, push_lead=2, sketch_every=2, free_run=0)
     peers = [await _start(**kw)]
@@ -351,6 +352,7 @@ async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_
 
         async def last_round(step, loss, p=p, after=after):
             if step == 5:
+                await asyncio.gather(*(q.table_client.batcher.settled() for q in peers))
                 omap = p.tables.map
                 held[p.id] = (omap.view, {(t, s): p.tables.shards[t].checksum(s) for t in ("ngram", "value")
                                           for s in range(omap.n_slots(t)) if p.id in omap.owners(t, s)})
@@ -366,6 +368,7 @@ async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_
         assert r["steps"] == 24 and r["rounds_timed_out"] == 0 and r["resyncs"] == {}
         assert r["val_loss"] < r["first_loss"] - 1.0 and r["push_lead"] == 2
     assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"]
+    assert all(p.table_client.batcher.ack_when_applied for p in peers)  # --push-ack auto, local steps
     assert len({view for view, _ in held.values()}) == 1 and len(held) == 3
     sums: dict[tuple, set] = {}
     for _, slots in held.values():
@@ -700,6 +703,21 @@ def test_push_lead_is_auto_or_a_count_of_inner_steps_below_h():
     assert from_env({"SWARM_PUSH_LEAD": "auto"}) == {"push_lead": -1}
     with pytest.raises(ConfigError, match="SWARM_PUSH_LEAD"):
         from_env({"SWARM_PUSH_LEAD": "soon"})
+
+
+def test_push_ack_answers_when_applied_with_local_steps_by_default_and_is_a_peers_own_setting():
+    assert PeerConfig().push_ack == "auto"
+    assert PeerConfig().acks_when_applied(32) and not PeerConfig().acks_when_applied(1)
+    assert not PeerConfig(push_ack="replicated").acks_when_applied(32)
+    assert PeerConfig(push_ack="applied").acks_when_applied(1)
+    assert parse_config(["--push-ack", "replicated"])[0].push_ack == "replicated"
+    assert "push_ack" not in settings.given(PeerConfig(sync_every=8, steps=64, push_ack="applied"))
+    with pytest.raises(ConfigError, match="--push-ack"):
+        PeerConfig(push_ack="later").validate()
+    r = run_cli("--push-ack", "later")
+    assert r.returncode == 2 and "--push-ack" in r.stderr and "Traceback" not in r.stderr
+    from swarm.config import from_env
+    assert from_env({"SWARM_PUSH_ACK": "applied"}) == {"push_ack": "applied"}
 
 
 def test_held_rows_offer_the_last_windows_pulls_only_in_their_dtype_and_within_the_cap():

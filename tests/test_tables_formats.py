@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from swarm.tables.ownership import OwnershipMap, TableSpec
 from swarm.tables.shard import RowOptConfig, TableShard
-from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push,
+from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_rows_tagged,
                                decode_replays, decode_replica, decode_rows, decode_slot, encode_pull, encode_push,
                                encode_replays, encode_replica, encode_rows, encode_slot, quantize, roundtrip, row_tags,
                                pack_int4, unpack_int4)
@@ -448,6 +448,36 @@ def test_a_tagged_pull_leaves_out_the_rows_the_asker_holds_unchanged():
     assert blob["ngram"].shape[0] == 2 and blob["ngram.same"].tolist() == [0b0101]
     # without any tag the request and the reply are as before
     assert "tags" not in msgpack.unpackb(encode_pull(PullRequest(VIEW, dtype, IDS, {"ngram": np.zeros(4, np.uint32)})))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8", "int4"])
+def test_tags_of_a_decoded_reply_are_row_tags_of_its_rows(dtype):
+    """The asker hashes a fresh row's bytes as they came instead of quantizing the decoded row again:
+    the same tags, for rows sent and rows marked same, tagged tables and untagged ones; and the
+    owner's reply is the same bytes either way."""
+    g = torch.Generator().manual_seed(5)
+    ids = {"ngram": np.arange(0, 40, 2), "value": np.arange(7)}
+    held = {"ngram": roundtrip(torch.randn(20, 8, generator=g), dtype)}
+    now = {"ngram": held["ngram"].clone(), "value": torch.randn(7, 8, generator=g)}
+    now["ngram"][::3] += torch.randn(7, 8, generator=g)  # some rows moved, the rest are the held ones
+    tags = {"ngram": row_tags(held["ngram"], dtype)}
+    tags["ngram"][5] = 0  # one row the asker holds none of
+    req = PullRequest(VIEW, dtype, ids, tags)
+    reply = encode_rows(list(now.items()), dtype, tags)
+    blob = safetensors.torch.load(reply)
+    assert 0 < blob["ngram"].shape[0] < 20  # some rows left out, some sent
+    out, got = decode_rows_tagged(reply, req, DIMS, held=held)
+    plain = decode_rows(reply, req, DIMS, held=held)
+    assert set(got) == set(out) == set(plain) == set(ids)
+    for t in ids:
+        assert torch.equal(out[t], plain[t]) and torch.equal(out[t], roundtrip(now[t], dtype))
+        assert got[t].dtype == np.uint32 and np.array_equal(got[t], row_tags(out[t], dtype)), t
+    # every row of a tagged table unchanged: the reply carries none of them, and none is hashed
+    tags = {"ngram": row_tags(held["ngram"], dtype)}
+    reply = encode_rows([("ngram", held["ngram"]), ("value", now["value"])], dtype, tags)
+    assert safetensors.torch.load(reply)["ngram"].shape[0] == 0
+    out, got = decode_rows_tagged(reply, PullRequest(VIEW, dtype, ids, tags), DIMS, held=held)
+    assert torch.equal(out["ngram"], held["ngram"]) and np.array_equal(got["ngram"], tags["ngram"])
 
 
 def test_tagged_pulls_refuse_what_does_not_fit():

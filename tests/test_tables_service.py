@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from swarm.tables import TableSpec
-from swarm.tables.http import PushBatcher
+from swarm.tables.http import PushBatcher, RowStats
 from swarm.tables.service import FRESH, Fenced, Moving, NotPrimary, TableService
-from swarm.tables.formats import PullRequest, PushRequest, Replay, WireError, encode_replay_reply, stale_rows
+from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_replays, encode_replay_reply,
+                                 stale_rows)
 
 SPECS = [TableSpec("ngram", 256, 8), TableSpec("value", 256, 8)]
 PEERS = ["p-a", "p-b", "p-c"]
@@ -400,6 +401,59 @@ async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queue
     second = batcher.submit(_push(m, sub, "p-1:2", torch.full((len(sub), 8), 0.2)))
     assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
     assert svc.stats.flushes == 1 and svc.stats.pushes_applied == 2
+    batcher.close()
+
+
+class _HeldReplays(_BatcherClient):
+    """A TableClient stand-in whose replays reach the replicas' services only once ``release`` is
+    set (a slow link to them): what the batcher answers, and when, with a replay in flight."""
+
+    def __init__(self, service: TableService, replicas: dict[str, TableService]):
+        super().__init__(service)
+        self.replicas, self.release, self.replayed = replicas, asyncio.Event(), []
+        self.transport, self.stats = self, RowStats()
+
+    @staticmethod
+    def addr_of(peer: str) -> str:
+        return "http://" + peer
+
+    def owe(self, peer, table, ids):
+        raise AssertionError(f"a replay to {peer} did not land")
+
+    async def request(self, method, url, *, to, body, **kw):
+        await self.release.wait()
+        out = self.replicas[to].apply_replays(decode_replays(body, self.service.by_name, 1 << 20))
+        self.replayed.append(to)
+        return json.dumps(encode_replay_reply(out.applied, out.stale)).encode()
+
+
+@pytest.mark.parametrize("ack_when_applied", [False, True])
+async def test_a_push_is_answered_when_applied_or_replicated_and_replicas_keep_the_flush_order(ack_when_applied):
+    """--push-ack: answered when applied, a push returns while its replay is still on its way; when
+    replicated, not before the replay landed. Either way the next flush is applied only after the
+    last one's replays landed, so the replica replays them in order and ends bit-identical."""
+    svcs = services()
+    m = svcs["p-a"].map
+    prim, sub = next(iter(m.plan("ngram", np.arange(0, 256, 3)).items()))
+    client = _HeldReplays(svcs[prim], svcs)
+    batcher = PushBatcher(client, window=0.01, ack_when_applied=ack_when_applied)
+    first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:1", torch.full((len(sub), 8), 0.1))))
+    await asyncio.sleep(0.3)
+    assert svcs[prim].stats.flushes == 1 and client.replayed == []  # applied here, the replay held up
+    assert first.done() is ack_when_applied
+    if ack_when_applied:
+        assert first.result() is False  # answered before any replica took it
+    second = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), -0.3))))
+    await asyncio.sleep(0.3)
+    assert svcs[prim].stats.flushes == 1 and not second.done()  # the next flush waits for the replay
+    client.release.set()
+    assert await asyncio.wait_for(second, 10) is (not ack_when_applied)
+    assert await first is (not ack_when_applied)
+    await batcher.settled()
+    assert svcs[prim].stats.flushes == 2 and client.replayed and all(
+        svcs[r].stats.replays_applied == 2 and svcs[r].stats.replays_diverged == 0 for r in set(client.replayed))
+    for slot in np.unique(m.slot_of("ngram", sub)).tolist():
+        assert len({svcs[o].shards["ngram"].checksum(slot) for o in m.owners("ngram", slot)}) == 1
     batcher.close()
 
 

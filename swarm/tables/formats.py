@@ -43,7 +43,7 @@ from .shard import KINDS, all_finite, state_keys, state_shape
 __all__ = ["WireError", "DTYPES", "quantize", "dequantize", "roundtrip", "row_tags", "PullRequest", "PushRequest", "Replay", "encode_replays", "decode_replays",
            "encode_replay_reply", "stale_rows",
            "encode_pull", "decode_pull", "encode_rows",
-           "decode_rows", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
+           "decode_rows", "decode_rows_tagged", "encode_push", "decode_push", "encode_replica", "decode_replica", "encode_slot",
            "decode_slot"]
 
 VERSION = 1
@@ -334,15 +334,24 @@ def row_tags(rows: torch.Tensor, dtype: str) -> np.ndarray:
     owner leaves out the rows that did not change (docs/tables.md, "Conditional pulls")."""
     _check_dtype(dtype)
     x = rows.detach().to("cpu", torch.float32)
-    n = x.shape[0]
     if dtype in _QMAX:
         q, scale = quantize(x, _QMAX[dtype])
-        parts = [(pack_int4(q) if dtype == "int4" else q).numpy().view(np.uint8).reshape(n, -1),
-                 scale.numpy().view(np.uint8).reshape(n, 4)]
-    elif dtype == "bf16":
-        parts = [x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(n, -1)]
-    else:
-        parts = [x.to(_TORCH[dtype]).numpy().view(np.uint8).reshape(n, -1)]
+        return _wire_tags(pack_int4(q) if dtype == "int4" else q, scale)
+    return _wire_tags(x.to(_TORCH[dtype]), None)
+
+
+def _wire_tags(values: torch.Tensor, scale: torch.Tensor | None) -> np.ndarray:
+    """row_tags from a row's bytes as they are on the wire: ``values`` [n, w] in the wire's dtype
+    (int8, int4 packed two to a byte, fp16, bf16, fp32) and, for int8 / int4, its ``scale`` [n]. Both
+    ends of a pull hash these bytes where they have them (the owner as it encodes, the asker as it
+    decodes), so a row is quantized once, not again for its tag."""
+    n = values.shape[0]
+    if n == 0:  # (a reply whose rows were all left out: nothing came to hash)
+        return np.zeros(0, np.uint32)
+    v = values.view(torch.int16) if values.dtype == torch.bfloat16 else values  # numpy has no bf16
+    parts = [np.ascontiguousarray(v.numpy()).view(np.uint8).reshape(n, v.shape[1] * v.element_size())]
+    if scale is not None:
+        parts.append(np.ascontiguousarray(scale.to(torch.float32).numpy()).view(np.uint8).reshape(n, 4))
     width = sum(p.shape[1] for p in parts)
     pad = np.zeros((n, -width % 8), np.uint8)
     words = np.ascontiguousarray(np.concatenate(parts + [pad], axis=1)).view("<u8")
@@ -359,34 +368,51 @@ def row_tags(rows: torch.Tensor, dtype: str) -> np.ndarray:
 
 def _put(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, dtype: str, what: str) -> None:
     """Write float rows ``t`` as ``name`` in ``dtype`` (int8, int4: plus ``name.scale``)."""
+    values, scale = _as_wire(t, dtype, what)
+    out[name] = values
+    if scale is not None:
+        out[name + ".scale"] = scale
+
+
+def _as_wire(t: torch.Tensor, dtype: str, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float rows ``t`` as ``dtype`` puts them on the wire: (values, and for int8 / int4 the scale
+    per row; None for the others), finite."""
     if dtype not in _QMAX:
-        out[name] = _cast(t, dtype, what)
-        return
+        return _cast(t, dtype, what), None
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
         raise WireError(f"{what} must be a 2-D float tensor")
     _finite(t, what)
-    q, out[name + ".scale"] = quantize(t, _QMAX[dtype])
-    out[name] = pack_int4(q) if dtype == "int4" else q
+    q, scale = quantize(t, _QMAX[dtype])
+    return (pack_int4(q) if dtype == "int4" else q), scale
 
 
 def _take(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, int], what: str) -> torch.Tensor:
     """Read float rows ``name`` (int8 / int4: with ``name.scale``, positive and finite) as fp32, finite."""
+    return _take_wire(blob, name, dtypes, shape, what)[0]
+
+
+def _take_wire(blob: "_Blob", name: str, dtypes: tuple[str, ...], shape: tuple[int, int], what: str
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """_take, and the int8 / int4 rows as they were on the wire: (fp32 rows, values, scale); values
+    and scale are None for the other dtypes."""
     stored = blob.entries[name][0] if name in blob.entries else ""
     if stored in _SCALED and stored in dtypes:
         if name + ".scale" not in blob.entries:
             raise WireError(f"{stored} tensor {name[:60]!r} needs {name[:60]!r}.scale")
         if stored == "U8":
-            q = unpack_int4(blob.raw(name, "U8", (shape[0], (shape[1] + 1) // 2)), shape[1])
+            values = blob.raw(name, "U8", (shape[0], (shape[1] + 1) // 2))
+            q = unpack_int4(values, shape[1])
         else:
-            q = blob.raw(name, "I8", shape)
+            values = q = blob.raw(name, "I8", shape)
         scale = blob.get(name + ".scale", ("F32",), (shape[0],))
         if scale.numel() and not bool((torch.isfinite(scale) & (scale > 0)).all()):
             raise WireError(f"{what}: scales must be finite and positive")
         out = dequantize(q, scale)
-    else:
-        out = blob.get(name, tuple(d for d in dtypes if d not in _SCALED), shape)
+        _finite(out, what)
+        return out, values, scale
+    out = blob.get(name, tuple(d for d in dtypes if d not in _SCALED), shape)
     _finite(out, what)
-    return out
+    return out, None, None
 
 
 def _int8_names(names: set[str], dtype_of: dict[str, str]) -> set[str]:
@@ -475,13 +501,17 @@ def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str,
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             raise WireError(f"rows of {name!r} must be a 2-D tensor")
         held = (tags or {}).get(name)
+        if held is not None and len(held) != rows.shape[0]:
+            raise WireError(f"tags of {name!r}: {len(held)} for {rows.shape[0]} rows")
+        values, scale = _as_wire(rows, dtype, f"rows of {name!r}")  # quantized once, tags or not
         if held is not None:
-            if len(held) != rows.shape[0]:
-                raise WireError(f"tags of {name!r}: {len(held)} for {rows.shape[0]} rows")
-            same = (held != 0) & (row_tags(rows, dtype) == held)
+            same = (held != 0) & (_wire_tags(values, scale) == held)
             out[name + ".same"] = torch.from_numpy(np.packbits(same, bitorder="little"))
-            rows = rows[torch.from_numpy(~same)]
-        _put(out, name, rows, dtype, f"rows of {name!r}")
+            keep = torch.from_numpy(~same)
+            values, scale = values[keep], (None if scale is None else scale[keep])
+        out[name] = values
+        if scale is not None:
+            out[name + ".scale"] = scale
     return _save(out, {"v": str(VERSION)})
 
 
@@ -492,17 +522,42 @@ def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int],
     For a table ``req`` tagged, the reply's rows are those not marked same, and a row marked same
     (only where the request had a tag) is taken from ``held`` (fp32 [len(ids), dim], the asker's
     rows, aligned with the ids)."""
+    return _decode_rows(data, req, dim_of, held, with_tags=False)[0]
+
+
+@_guard
+def decode_rows_tagged(data: bytes, req: PullRequest, dim_of: Mapping[str, int],
+                       held: Mapping[str, torch.Tensor] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """decode_rows, and the row_tags of every row it returns (what the asker holds from now on and
+    tags its next pull with): a row marked same keeps the request's tag, a fresh one is hashed from
+    its bytes as they came, which is row_tags of the decoded row without quantizing it again."""
+    return _decode_rows(data, req, dim_of, held, with_tags=True)
+
+
+def _decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int],
+                 held: Mapping[str, torch.Tensor] | None, with_tags: bool
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     blob = _Blob(data)
     _meta(blob.meta, {"v"})
     tagged = {t for t in req.tags if t in req.ids}
     blob.names(_int8_names(set(req.ids), {t: _ST_NAME[req.dtype] for t in req.ids}) | {t + ".same" for t in tagged})
-    out = {}
+    out, tags = {}, {}
+
+    def take(t: str, n: int, dim: int) -> tuple[torch.Tensor, np.ndarray | None]:
+        rows, values, scale = _take_wire(blob, t, (_ST_NAME[req.dtype],), (n, dim), f"rows of {t!r}")
+        if not with_tags:
+            return rows, None
+        return rows, (_wire_tags(values, scale) if values is not None else row_tags(rows, req.dtype))
+
     for t, ids in req.ids.items():
         if t not in dim_of:
             raise WireError(f"no dim known for table {t!r}")
         n, dim = len(ids), int(dim_of[t])
         if t not in tagged:
-            out[t] = _take(blob, t, (_ST_NAME[req.dtype],), (n, dim), f"rows of {t!r}")
+            out[t], fresh_tags = take(t, n, dim)
+            if with_tags:
+                tags[t] = fresh_tags
             continue
         bits = blob.raw(t + ".same", "U8", ((n + 7) // 8,)).numpy()
         flags = np.unpackbits(bits, bitorder="little")
@@ -511,13 +566,17 @@ def decode_rows(data: bytes, req: PullRequest, dim_of: Mapping[str, int],
         same = flags[:n].astype(bool)
         if (same & (req.tags[t] == 0)).any():
             raise WireError(f"{t}.same marks a row the request held none of")
-        fresh = _take(blob, t, (_ST_NAME[req.dtype],), (n - int(same.sum()), dim), f"rows of {t!r}")
+        fresh, fresh_tags = take(t, n - int(same.sum()), dim)
         if held is None or t not in held or tuple(held[t].shape) != (n, dim):
             raise ValueError(f"rows of {t!r}: the held rows [{n}, {dim}] a tagged request needs")
         rows = held[t].to(torch.float32, copy=True)
         rows[torch.from_numpy(~same)] = fresh
         out[t] = rows
-    return out
+        if with_tags:
+            all_tags = np.asarray(req.tags[t], np.uint32).copy()
+            all_tags[~same] = fresh_tags
+            tags[t] = all_tags
+    return out, tags
 
 
 # ----------------------------------------------------------------------------- push

@@ -39,8 +39,8 @@ from .robust_rows import verdict_severity
 from .service import FRESH, Fenced, Moving, NotPrimary, RowVerdict, TableService, sender_of
 from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
-                   decode_replica, decode_rows, encode_pull, encode_push, encode_replay_reply, encode_replays,
-                   encode_replica, encode_rows, roundtrip, row_tags, stale_rows)
+                   decode_replica, decode_rows, decode_rows_tagged, encode_pull, encode_push, encode_replay_reply, encode_replays,
+                   encode_replica, encode_rows, roundtrip, stale_rows)
 from .held import HeldRows
 
 log = logging.getLogger("swarm.tables")
@@ -97,7 +97,7 @@ class TableClient:
                  row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0,
                  push_window: float = 0.1, ban_seconds: float = 60.0,
                  event: Callable[[str, str], None] | None = None,
-                 complete_pushes: Callable[[], set[str]] | None = None):
+                 complete_pushes: Callable[[], set[str]] | None = None, ack_when_applied: bool = False):
         self.service = service
         self.transport = transport
         self.work = work
@@ -112,7 +112,8 @@ class TableClient:
         # asks their owners only for the rows that changed
         self.held: HeldRows | None = None
         self.dims = {s.name: s.dim for s in service.specs}
-        self.batcher = PushBatcher(self, push_window, complete_pushes)  # the primary's side of the pushes it receives
+        # the primary's side of the pushes it receives
+        self.batcher = PushBatcher(self, push_window, complete_pushes, ack_when_applied)
         # row pushes are scored apart from dense payloads: only this primary sees its flushes, so a
         # ban here must not change the dense rounds it takes (those are the same on every peer)
         self.scores = robust.Scoreboard(robust.ScoreConfig(ban_seconds=ban_seconds))
@@ -213,8 +214,9 @@ class TableClient:
         req = PullRequest(view=view, dtype=dtype, ids=sub, tags=tags)
 
         def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-            out = decode_rows(data, req, self.dims, held)
-            return out, ({t: row_tags(r, dtype) for t, r in out.items()} if self.held is not None else {})
+            if self.held is None:
+                return decode_rows(data, req, self.dims, held), {}
+            return decode_rows_tagged(data, req, self.dims, held)
 
         try:
             data = await self.transport.request("POST", addr + "/v1/rows/pull", to=peer, body=encode_pull(req),
@@ -544,6 +546,8 @@ class TableClient:
                 "rows_offered": s.rows_offered, "rows_reused": s.rows_reused, "rows_held": self.held.rows() if self.held is not None else 0,
                 "rows_missing": s.rows_missing, "pushes_sent": s.pushes_sent, "push_failures": s.push_failures,
                 "retries": s.retries, "rows_healed": s.rows_healed,
+                # as a primary: when it answers a push (--push-ack): once applied here, or replicated too
+                "push_ack": "applied" if self.batcher.ack_when_applied else "replicated",
                 # as a primary: replica rows whose replay did not land and are not caught up yet, by replica
                 "rows_owed": self.owed.by_peer(), "rows_caught_up": s.rows_caught_up,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
@@ -564,18 +568,24 @@ class PushBatcher:
     """The primary's side of row pushes: a push is checked and queued at once (TableService.
     accept_push); ``window`` seconds after the first one, every queued push is applied together
     (TableService.flush: one update per row) and the flush's replays go to the replicas, one
-    request per replica. Flushes run one at a time, so a replica receives them in the
-    order they were applied. Each push is answered when its flush has been replicated.
+    request per replica. Flushes run one at a time, each replicated before the next is applied, so
+    a replica receives them in the order they were applied. A push is answered when its flush has
+    been replicated or, with ``ack_when_applied`` (--push-ack applied: local steps by default), as
+    soon as it is applied here: its replays then travel while the pusher goes on, and a primary
+    that dies before they land leaves its replicas without that flush (docs/design.md, "When a
+    primary answers a push").
 
     ``complete`` (local steps) names the senders whose pushes make a flush whole: one window's
     deltas from every contributor. Once a push from each of them is queued the flush goes without
     waiting out the window, since a peer sends its window's payload only when its pushes are
     answered (swarm/local_steps.py); the window stays the bound when one never comes."""
 
-    def __init__(self, client: "TableClient", window: float, complete: Callable[[], set[str]] | None = None):
+    def __init__(self, client: "TableClient", window: float, complete: Callable[[], set[str]] | None = None,
+                 ack_when_applied: bool = False):
         self.client = client
         self.window = window
         self.complete = complete
+        self.ack_when_applied = ack_when_applied
         self._whole = asyncio.Event()  # a push completed the queue (``complete``)
         self._waiting: dict[int, asyncio.Future] = {}
         # (refusal or None, replicated) of pushes whose flush ended before their waiter registered
@@ -583,7 +593,8 @@ class PushBatcher:
         self._task: asyncio.Task | None = None
 
     async def submit(self, req: PushRequest) -> bool:
-        """Apply ``req`` with the next flush; True when its replicas acknowledged it. Raises the
+        """Apply ``req`` with the next flush; True when its replicas acknowledged it (False when
+        the answer went before they did, or they did not). Raises the
         service's refusal (Fenced, NotPrimary, Moving, ShardError): at once, or at the flush when
         the map changed in between."""
         return await self.wait(await self.client.work(self.client.service.accept_push, req))
@@ -637,19 +648,26 @@ class PushBatcher:
             observe = getattr(self.client, "observe", None)
             if verdicts and observe is not None:
                 observe(verdicts)
+            if self.ack_when_applied:  # answered now; replicated below, before the next flush
+                self._answer(outcome, False)
             try:
                 replicated = await replicate(self.client, forward)
             except Exception:  # a bug, not a refusal: the flush is applied here, so answer (unreplicated)
                 log.exception("replicating a flush failed")
                 replicated = False
-            for ticket, err in outcome.items():
-                fut = self._waiting.pop(ticket, None)
-                if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
-                    self._done[ticket] = (err, replicated)
-                    while len(self._done) > 1024:
-                        self._done.pop(next(iter(self._done)))
-                elif not fut.done():
-                    fut.set_result((err, replicated))
+            if not self.ack_when_applied:
+                self._answer(outcome, replicated)
+
+    def _answer(self, outcome: dict[int, Exception | None], replicated: bool) -> None:
+        """Resolve the waiters of a flush's tickets (refusal or None; whether replicated)."""
+        for ticket, err in outcome.items():
+            fut = self._waiting.pop(ticket, None)
+            if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
+                self._done[ticket] = (err, replicated)
+                while len(self._done) > 1024:
+                    self._done.pop(next(iter(self._done)))
+            elif not fut.done():
+                fut.set_result((err, replicated))
 
     def _flush(self) -> tuple[dict, dict, list[RowVerdict]]:
         """On the table thread: the flush, and what its robust combine saw of each sender."""
