@@ -19,7 +19,7 @@ import traceback
 
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
-from .config import ConfigError, PeerConfig, field_names, from_env, parse_push_lead
+from .config import PUSH_ACKS, ConfigError, PeerConfig, field_names, from_env, parse_push_lead
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
 from .task_errors import TaskError, UserCodeError, parse_task_args
 
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
       "they took under half a step, at most H/4 (default 0)")
     a("--held-rows", type=int, help="with --sync-every > 1: rows of the last window kept, so that a pull asks their owners "
       f"only for the rows that changed since (0 = pull every row whole; default {d.held_rows})")
-    a("--push-ack", choices=("auto", "applied", "replicated"),
+    a("--push-ack", choices=PUSH_ACKS,
       help="when this peer, as a table primary, answers a row push: applied (once its flush is applied here; the "
            "replicas get the flush before the next one), replicated (once its replicas have replayed it too) or auto "
            "(applied with --sync-every > 1, replicated with per-step rounds; default auto)")

@@ -368,7 +368,11 @@ def _wire_tags(values: torch.Tensor, scale: torch.Tensor | None) -> np.ndarray:
 
 def _put(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, dtype: str, what: str) -> None:
     """Write float rows ``t`` as ``name`` in ``dtype`` (int8, int4: plus ``name.scale``)."""
-    values, scale = _as_wire(t, dtype, what)
+    _store(out, name, *_as_wire(t, dtype, what))
+
+
+def _store(out: dict[str, torch.Tensor], name: str, values: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Rows already in their wire dtype (_as_wire) as ``name`` (and ``name.scale`` for int8 / int4)."""
     out[name] = values
     if scale is not None:
         out[name + ".scale"] = scale
@@ -509,9 +513,7 @@ def encode_rows(tables_in_order: list[tuple[str, torch.Tensor]], dtype: str,
             out[name + ".same"] = torch.from_numpy(np.packbits(same, bitorder="little"))
             keep = torch.from_numpy(~same)
             values, scale = values[keep], (None if scale is None else scale[keep])
-        out[name] = values
-        if scale is not None:
-            out[name + ".scale"] = scale
+        _store(out, name, values, scale)
     return _save(out, {"v": str(VERSION)})
 
 
