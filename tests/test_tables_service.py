@@ -404,6 +404,33 @@ async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queue
     batcher.close()
 
 
+class _ShutDown(_BatcherClient):
+    """A TableClient stand-in whose table thread shuts down with the flush queued on it (the pool's
+    shutdown cancels queued work): the awaiting flush sees CancelledError, not an Exception."""
+
+    async def work(self, fn, *args):
+        if getattr(fn, "__name__", "") == "_flush":
+            raise asyncio.CancelledError
+        return fn(*args)
+
+
+async def test_a_push_whose_flush_a_shutdown_cancelled_is_refused_not_left_waiting():
+    """A peer closing while a push waits for its flush: the flush queued on the table thread is
+    cancelled by the shutdown, and a push queued after close() has no flush coming. Both are
+    answered at once (Moving: "shutting down"), so the pusher's step loop ends instead of waiting
+    forever (it did: a peer closed mid-run whose run() never returned)."""
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_ShutDown(svc), window=0.01)
+    with pytest.raises(Moving):
+        await asyncio.wait_for(batcher.submit(_push(m, sub, "p-0:1", torch.full((len(sub), 8), 0.1))), 10)
+    assert svc.stats.flushes == 0
+    batcher = PushBatcher(_BatcherClient(svc), window=0.01)
+    batcher.close()
+    with pytest.raises(Moving):
+        await asyncio.wait_for(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))), 10)
+    assert svc.stats.flushes == 0
+
+
 class _HeldReplays(_BatcherClient):
     """A TableClient stand-in whose replays reach the replicas' services only once ``release`` is
     set (a slow link to them): what the batcher answers, and when, with a replay in flight."""

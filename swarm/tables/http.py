@@ -591,6 +591,7 @@ class PushBatcher:
         # (refusal or None, replicated) of pushes whose flush ended before their waiter registered
         self._done: dict[int, tuple[Exception | None, bool]] = {}
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     async def submit(self, req: PushRequest) -> bool:
         """Apply ``req`` with the next flush; True when its replicas acknowledged it (False when
@@ -605,6 +606,8 @@ class PushBatcher:
         of a push whose map changed before its flush."""
         if ticket is None:
             return True  # a repeat of a push already applied (or queued)
+        if self._closed:  # queued as the peer shut down: no flush will come for it
+            raise Moving("this peer is shutting down")
         if ticket in self._done:
             err, replicated = self._done.pop(ticket)
         else:
@@ -637,6 +640,20 @@ class PushBatcher:
             pass
 
     async def _run(self) -> None:
+        try:
+            await self._flushes()
+        finally:  # however the loop ended, nobody is left waiting for a flush that will not come
+            self._refuse_waiting()
+
+    def _refuse_waiting(self) -> None:
+        """Answer every push still waiting: its flush will not happen (the loop ended, e.g. a
+        shutdown cancelled a flush queued on the table thread, or the batcher closed)."""
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_result((Moving("this peer is shutting down"), False))
+        self._waiting.clear()
+
+    async def _flushes(self) -> None:
         while self._waiting:
             await self._gather()
             try:
@@ -680,12 +697,10 @@ class PushBatcher:
             await asyncio.gather(asyncio.shield(self._task), return_exceptions=True)
 
     def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_result((Moving("this peer is shutting down"), False))
-        self._waiting.clear()
+        self._refuse_waiting()
 
 
 async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
