@@ -2,6 +2,12 @@
 
 Every peer uses one torch thread and small tables so several fit on two cores; every process and
 task a test starts is stopped when the test ends, pass or fail.
+
+The suite runs on pytest-xdist workers (pyproject's addopts: ``-n auto --dist loadgroup``). The
+modules in SWARM_MODULES start swarms of four or more peers, subprocess peers or torchrun groups:
+their tests share one xdist group, so they run one at a time on one worker, never two of them
+packed onto two cores at once, while the lighter tests fill the other core. ``-n 0`` runs the
+suite in one process.
 """
 
 from __future__ import annotations
@@ -31,6 +37,25 @@ SMALL = dict(table_rows=4096, table_slots=256, batch_size=4, threads=1, progress
              warmup_steps=0, round_timeout=15.0,
              # peers in one process share its GIL: their compute times say nothing of their speed
              free_run=0)
+
+
+# the modules whose tests start whole swarms (see the module docstring); measured at 9-110 s per module
+SWARM_MODULES = frozenset({
+    "test_byzantine", "test_chaos", "test_examples", "test_bench_gpu_examples", "test_group",
+    "test_local_steps", "test_pacing", "test_peer_cli",
+})
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most 4 (the swarm tests run one at a time anyway)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SWARM_MODULES:
+            item.add_marker(pytest.mark.xdist_group("swarms"))
 
 
 def small_cfg(**kw) -> PeerConfig:
