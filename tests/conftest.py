@@ -54,7 +54,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SWARM_MODULES:
+        module = getattr(item, "module", None)  # (an item that is not a Python test function has none)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] in SWARM_MODULES:
             item.add_marker(pytest.mark.xdist_group("swarms"))
 
 

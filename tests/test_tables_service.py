@@ -429,6 +429,15 @@ async def test_a_push_whose_flush_a_shutdown_cancelled_is_refused_not_left_waiti
     with pytest.raises(Moving):
         await asyncio.wait_for(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))), 10)
     assert svc.stats.flushes == 0
+    # a push whose flush was applied before its waiter came is answered as applied, closed or not
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_BatcherClient(svc), window=0.01)
+    first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:3", torch.full((len(sub), 8), 0.1))))
+    await asyncio.sleep(0)
+    ticket = svc.accept_push(_push(m, sub, "p-1:3", torch.full((len(sub), 8), 0.2)))  # no waiter yet
+    assert await asyncio.wait_for(first, 10) is True and svc.stats.flushes == 1 and svc.stats.pushes_applied == 2
+    batcher.close()
+    assert await batcher.wait(ticket) is True
 
 
 class _HeldReplays(_BatcherClient):

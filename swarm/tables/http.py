@@ -606,10 +606,10 @@ class PushBatcher:
         of a push whose map changed before its flush."""
         if ticket is None:
             return True  # a repeat of a push already applied (or queued)
-        if self._closed:  # queued as the peer shut down: no flush will come for it
-            raise Moving("this peer is shutting down")
-        if ticket in self._done:
+        if ticket in self._done:  # its flush ended before we got here
             err, replicated = self._done.pop(ticket)
+        elif self._closed:  # queued as the peer shut down: no flush will come for it
+            raise Moving("this peer is shutting down")
         else:
             fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
             if self._task is None or self._task.done():
