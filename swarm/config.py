@@ -151,6 +151,16 @@ class PeerConfig:
         the replays on every window (docs/design.md, "When a primary answers a push")."""
         return self.push_ack == "applied" or (self.push_ack == "auto" and window > 1)
 
+    def window_push_wait(self) -> float:
+        """How long this peer, as a table primary in a swarm with local steps, waits after a
+        window's first row push for one from every contributor before it applies what it has: an
+        eighth of --round-timeout (at least --push-window), half of the quarter a pusher holds its
+        payload for their answers (swarm/local_steps.py), so a push that waited it out is still
+        answered in time. A window's pushes come over more than a --push-window (each peer's
+        --push-lead, its window ending a little before or after the others'); docs/design.md,
+        "A window's rows hold all of the last window"."""
+        return max(self.push_window, self.round_timeout / 8)
+
     def pull_dtype(self) -> str:
         """The dtype this peer's row pulls ask for: --row-dtype, or by default int8 for per-step
         rounds and int4 with local steps (a pulled row is then only the start of a window's working

@@ -323,7 +323,8 @@ class Peer:
                                         push_window=self.cfg.push_window, ban_seconds=self.cfg.ban_seconds,
                                         event=self.event,
                                         complete_pushes=self.window_pushers if self.window > 1 else None,
-                                        ack_when_applied=self.cfg.acks_when_applied(self.window))
+                                        ack_when_applied=self.cfg.acks_when_applied(self.window),
+                                        whole_wait=self.cfg.window_push_wait())
         if self.window > 1:
             self.table_client.use_held(self.cfg.held_rows)
         self._exit.callback(self.table_client.close)

@@ -305,7 +305,7 @@ class _BatcherClient:
     """What PushBatcher uses of a TableClient: the service, its push dtype, its table thread."""
 
     def __init__(self, service: TableService):
-        self.service, self.push_dtype = service, "int8"
+        self.service, self.push_dtype, self.stats = service, "int8", RowStats()
 
     @staticmethod
     async def work(fn, *args):
@@ -402,6 +402,42 @@ async def test_the_batcher_flushes_once_a_push_from_every_window_pusher_is_queue
     assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
     assert svc.stats.flushes == 1 and svc.stats.pushes_applied == 2
     batcher.close()
+
+
+async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_flush():
+    """With local steps a window's pushes come over more than a --push-window (each peer's
+    --push-lead, windows ending apart): the primary waits ``whole_wait`` for every window pusher,
+    so pushes 0.3 s apart with a 0.05 s push window still make one flush (one update per row, one
+    replay, one robust combine). One that never comes holds the flush ``whole_wait`` at most, and
+    that flush is counted partial."""
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_BatcherClient(svc), window=0.05, complete=lambda: {"p-0", "p-1"}, whole_wait=30.0)
+    first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))))
+    await asyncio.sleep(0.3)
+    assert not first.done() and svc.stats.flushes == 0  # six push windows on, p-1's push is awaited still
+    second = batcher.submit(_push(m, sub, "p-1:2", torch.full((len(sub), 8), 0.2)))
+    assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
+    assert svc.stats.flushes == 1 and svc.shards["ngram"].steps(sub).tolist() == [1] * len(sub)
+    assert batcher.client.stats.flushes_partial == 0
+    batcher.close()
+
+    m, sub, svc = _one_primary()
+    batcher = PushBatcher(_BatcherClient(svc), window=0.05, complete=lambda: {"p-0", "p-1"}, whole_wait=0.3)
+    t0 = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))), 10)
+    assert asyncio.get_running_loop().time() - t0 >= 0.25  # p-1 never pushed: the wait ran out, then the flush
+    assert svc.stats.flushes == 1 and batcher.client.stats.flushes_partial == 1
+    batcher.close()
+
+
+def test_a_primary_waits_for_a_windows_pushes_an_eighth_of_the_round_deadline():
+    """PeerConfig.window_push_wait: round_timeout / 8, half the quarter a pusher holds its payload
+    for the answers (so a flush that waited it out still answers in time), never below --push-window."""
+    from swarm.config import PeerConfig
+    assert PeerConfig().window_push_wait() == 2.5
+    assert PeerConfig(round_timeout=4.0).window_push_wait() == 0.5
+    assert PeerConfig(round_timeout=1.0, push_window=0.25).window_push_wait() == 0.25
+    assert PeerConfig().window_push_wait() < PeerConfig().round_timeout / 4
 
 
 class _ShutDown(_BatcherClient):

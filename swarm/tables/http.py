@@ -64,6 +64,9 @@ class RowStats:
     retries: int = 0
     rows_healed: int = 0  # replica rows a replay found stale, sent in full state (as a primary)
     rows_caught_up: int = 0  # replica rows whose replay did not land, caught up since (as a primary)
+    # with local steps, flushes that went without a push from every contributor (the wait for a
+    # window's pushes ran out: one touched none of our rows, or was slow, dead or banned)
+    flushes_partial: int = 0
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
 
     def percentiles(self) -> dict[str, float | None]:
@@ -97,7 +100,8 @@ class TableClient:
                  row_dtype: str = "int8", push_dtype: str = "int8", timeout: float = 10.0,
                  push_window: float = 0.1, ban_seconds: float = 60.0,
                  event: Callable[[str, str], None] | None = None,
-                 complete_pushes: Callable[[], set[str]] | None = None, ack_when_applied: bool = False):
+                 complete_pushes: Callable[[], set[str]] | None = None, ack_when_applied: bool = False,
+                 whole_wait: float | None = None):
         self.service = service
         self.transport = transport
         self.work = work
@@ -113,7 +117,7 @@ class TableClient:
         self.held: HeldRows | None = None
         self.dims = {s.name: s.dim for s in service.specs}
         # the primary's side of the pushes it receives
-        self.batcher = PushBatcher(self, push_window, complete_pushes, ack_when_applied)
+        self.batcher = PushBatcher(self, push_window, complete_pushes, ack_when_applied, whole_wait)
         # row pushes are scored apart from dense payloads: only this primary sees its flushes, so a
         # ban here must not change the dense rounds it takes (those are the same on every peer)
         self.scores = robust.Scoreboard(robust.ScoreConfig(ban_seconds=ban_seconds))
@@ -550,6 +554,8 @@ class TableClient:
                 "push_ack": "applied" if self.batcher.ack_when_applied else "replicated",
                 # as a primary: replica rows whose replay did not land and are not caught up yet, by replica
                 "rows_owed": self.owed.by_peer(), "rows_caught_up": s.rows_caught_up,
+                # as a primary with local steps: flushes that went without every contributor's push
+                "flushes_partial": s.flushes_partial,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
                 "push_scores": self.scores.status(time.monotonic(), time.time() - time.monotonic())}
 
@@ -577,13 +583,19 @@ class PushBatcher:
 
     ``complete`` (local steps) names the senders whose pushes make a flush whole: one window's
     deltas from every contributor. Once a push from each of them is queued the flush goes without
-    waiting out the window, since a peer sends its window's payload only when its pushes are
-    answered (swarm/local_steps.py); the window stays the bound when one never comes."""
+    waiting further, since a peer sends its window's payload only when its pushes are answered
+    (swarm/local_steps.py). Until then it waits up to ``whole_wait`` seconds (default: ``window``)
+    after the first: a window's pushes are spread over more than a push window (each peer's
+    --push-lead, its window ending a little before or after the others'), and a flush that went
+    with part of them left the rest to later flushes, each applied only once the last was
+    replicated: the window's last pusher waited out that chain, and every row the peers shared took
+    one update, replay and robust combine per part (docs/design.md "Tables in windows")."""
 
     def __init__(self, client: "TableClient", window: float, complete: Callable[[], set[str]] | None = None,
-                 ack_when_applied: bool = False):
+                 ack_when_applied: bool = False, whole_wait: float | None = None):
         self.client = client
         self.window = window
+        self.whole_wait = window if whole_wait is None else whole_wait
         self.complete = complete
         self.ack_when_applied = ack_when_applied
         self._whole = asyncio.Event()  # a push completed the queue (``complete``)
@@ -627,7 +639,8 @@ class PushBatcher:
         return bool(want) and want <= await self.client.work(self.client.service.pending_senders)
 
     async def _gather(self) -> None:
-        """Wait out the push window, or less: until the queue is whole (``complete``)."""
+        """Wait out the push window; with ``complete``, until the queue is whole, ``whole_wait``
+        at most (a flush that goes without every sender's push is counted: ``flushes_partial``)."""
         if self.complete is None:
             await asyncio.sleep(self.window)
             return
@@ -635,9 +648,10 @@ class PushBatcher:
         if await self._is_whole():
             return
         try:
-            await asyncio.wait_for(self._whole.wait(), self.window)
+            await asyncio.wait_for(self._whole.wait(), self.whole_wait)
         except asyncio.TimeoutError:
-            pass
+            if not await self._is_whole():
+                self.client.stats.flushes_partial += 1
 
     async def _run(self) -> None:
         try:
