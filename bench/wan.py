@@ -91,7 +91,12 @@ What is measured (the same way for every method):
                the loss on the training distribution, the same curve for every method.
   val_loss     at the end of the budget (equal samples), on the same val_batches (8 x batch), mean
                over peers.
-  time         wall time from the end of step 1 (every method has formed its group by then).
+  time         wall time from the end of step 1 (every method has formed its group by then),
+               training only: a swarm run's evaluation at the budget (val_loss at equal samples,
+               mid-run when it runs on) is left out, as peer.py's progress lines say the seconds
+               their evaluations took (eval_time); the floor and the synchronous baselines
+               evaluate only after their last step. (Until 2026-12-06 it was in: 3-6.5% of
+               swarm-h32's run at 8mbit, docs/benchmarks.md.)
   target       the loss dense DDP reaches at the END of its budget: ddp-dense's final running-mean
                loss (+ --margin, default 0; or --target). Without ddp-dense (--only), the worst final
                loss of the methods run at the first rate.
@@ -206,19 +211,25 @@ MODELS = {
 # ----------------------------------------------------------------------------- pure parts (tested)
 
 _STEP_RE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+|nan|inf) ")
+_EVAL_RE = re.compile(r" eval_time ([0-9.]+)s\b")
 
 
 def parse_peer_lines(lines: list[tuple[float, str]]) -> tuple[dict[int, tuple[float, float]], dict | None]:
     """`peer.py` stdout with read timestamps -> ({step: (t, running-mean loss)}, summary JSON or None).
 
-    The summary is the last line if it is a JSON object; progress lines are `step N loss X ...`."""
+    The summary is the last line if it is a JSON object; progress lines are `step N loss X ...`.
+    A progress line's `eval_time Xs` (peer.py with --eval-every: the seconds its held-out
+    evaluations took so far) is taken off its time: a curve's times, and the step times and times
+    to target made of them, are the training's, without the evaluations that give val_loss at the
+    budget (the floor and the synchronous baselines evaluate only after their last step)."""
     points: dict[int, tuple[float, float]] = {}
     for t, line in lines:
         m = _STEP_RE.match(line)
         if m:
             loss = float(m.group(2))
+            ev = _EVAL_RE.search(line)
             if math.isfinite(loss):
-                points[int(m.group(1))] = (t, loss)
+                points[int(m.group(1))] = (t - (float(ev.group(1)) if ev else 0.0), loss)
     summary = None
     for _, line in reversed(lines):
         if line.strip():

@@ -71,6 +71,9 @@ class Progress:
     dense_equiv: int = 0  # fp32 bytes of the same gradients
     val_loss: float | None = None
     val_history: list[tuple[int, float]] = field(default_factory=list)
+    # wall seconds the held-out evaluations of --eval-every took so far (the progress line says it,
+    # so a benchmark can leave them out of the training's time: bench/wan.py)
+    eval_seconds: float = 0.0
     lr_history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5000))  # (step, lr after it)
     skipped_steps: int = 0
 
@@ -1048,7 +1051,9 @@ class Peer:
             await self._evaluate_now(initial=self.book.step == 0)
 
     async def _evaluate_now(self, initial: bool = False) -> None:
+        t0 = time.monotonic()
         v = await self.evaluate(initial)
+        self.progress.eval_seconds += time.monotonic() - t0
         self.progress.val_loss = v
         if v is not None:  # the status page and the summary plot these points
             self.progress.val_history.append((self.book.step, v))

@@ -25,6 +25,18 @@ def test_parse_peer_lines_progress_and_summary():
     assert summary["val_loss"] == 3.5
 
 
+def test_parse_peer_lines_leaves_the_evaluations_out_of_the_curves_time():
+    """peer.py --eval-every says the seconds its evaluations took so far (eval_time): a point's time
+    is the training's alone, so a mid-run evaluation (val_loss at the budget) is not step time."""
+    tail = "tok/s 100 peers 4 sent 0.10MB recv 0.20MB compression x12"
+    pts, _ = wan.parse_peer_lines([(10.0, f"step 1 loss 5.0 {tail} eval_time 1.50s"),
+                                   (11.0, f"step 2 loss 4.9 {tail} eval_time 1.50s"),
+                                   (15.0, f"step 3 loss 4.8 {tail} eval_time 4.50s"),
+                                   (16.0, f"step 4 loss 4.7 {tail}")])
+    assert pts == {1: (8.5, 5.0), 2: (9.5, 4.9), 3: (10.5, 4.8), 4: (16.0, 4.7)}
+    assert wan.step_time(wan.merge_curves([{s: p for s, p in pts.items() if s < 4}])) == 1.0
+
+
 def test_parse_peer_lines_without_summary():
     pts, summary = wan.parse_peer_lines([(1.0, "step 1 loss 5.0 tok/s 1 peers 1 sent 0MB recv 0MB compression x0"),
                                          (2.0, "Traceback (most recent call last):")])

@@ -173,3 +173,20 @@ async def test_every_peer_starts_its_val_curve_at_the_same_point_though_one_eval
     assert ra["val_history"][0][0] == rb["val_history"][0][0] == 0
     assert ra["val_history"][0][1] == rb["val_history"][0][1]  # bit for bit: the same initial model
     assert ra["val_history"][-1][1] < ra["val_history"][0][1]
+
+
+async def test_a_peer_says_how_long_its_evaluations_took():
+    """With --eval-every the progress lines end `eval_time Xs` (the evaluations so far) and the
+    summary has `eval_seconds`: a benchmark takes them off the training's time (bench/wan.py)."""
+    lines: list[str] = []
+    p = Peer(small_cfg(steps=4, min_peers=1, eval_every=2, eval_batches=2, progress_interval=0), out=lines.append)
+    await p.start()
+    try:
+        summary = await asyncio.wait_for(p.run(), 120)
+    finally:
+        await p.close()
+    progress = [line for line in lines if line.startswith("step ")]
+    times = [float(line.rsplit(" eval_time ", 1)[1].rstrip("s")) for line in progress]
+    assert progress and len(times) == len(progress)
+    assert times == sorted(times) and times[-1] > 0  # the first evaluation came before step 1
+    assert len(summary["val_history"]) == 3 and summary["eval_seconds"] >= times[-1]

@@ -22,9 +22,10 @@ def progress_line(peer: "Peer") -> str:
     ratio = p.dense_equiv / p.wire_bytes if p.wire_bytes else 0.0
     rate = (f"tok/s {p.tokens / elapsed:.0f}" if peer.replica.task.tokens_per_sample
             else f"samples/s {p.samples / elapsed:.1f}")
+    evals = f" eval_time {p.eval_seconds:.2f}s" if peer.cfg.eval_every else ""  # evaluations so far
     return (f"step {peer.position()} loss {loss:.3f} {rate} "
             f"peers {len(peer.members.alive_ids())} sent {sum(peer.counts.sent.values()) / 1e6:.2f}MB "
-            f"recv {sum(peer.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}")
+            f"recv {sum(peer.counts.received.values()) / 1e6:.2f}MB compression x{ratio:.0f}{evals}")
 
 
 def bytes_per_sample(peer: "Peer") -> float | None:
@@ -77,6 +78,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "table_stats": vars(peer.tables.stats).copy() if peer.tables else None,
         "param_sketch": sketch,
         "val_history": [[s, round(v, 5)] for s, v in p.val_history],
+        "eval_seconds": round(p.eval_seconds, 3),  # what those evaluations took, wall seconds
         "lr_history": [[s, lr] for s, lr in p.lr_history],
         "settings": dict(peer.settings),
         "resyncs": dict(peer.resyncs),
