@@ -242,6 +242,17 @@ def parse_peer_lines(lines: list[tuple[float, str]]) -> tuple[dict[int, tuple[fl
     return points, summary
 
 
+def eval_seconds_between(lines: list[tuple[float, str]], first: int, last: int) -> float:
+    """What parse_peer_lines took off a peer's curve between steps ``first`` and ``last``: the
+    growth of its progress lines' eval_time (0 without --eval-every)."""
+    at: dict[int, float] = {}
+    for _, line in lines:
+        m, ev = _STEP_RE.match(line), _EVAL_RE.search(line)
+        if m and ev:
+            at[int(m.group(1))] = float(ev.group(1))
+    return max(0.0, at.get(last, 0.0) - at.get(first, 0.0)) if first in at and last in at else 0.0
+
+
 def parse_ddp_lines(lines: list[str]) -> tuple[dict[int, tuple[float, float]], dict | None, list[dict]]:
     """bench/ddp_baseline.py stdout -> ({step: (t, running-mean loss)}, summary or None, raw step records)."""
     steps, summary = [], None
@@ -1088,6 +1099,9 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,
            "val_loss": val_end if steps <= a.steps else val_at(summaries, rounds),
            "step_time_s": step_time(curve), "steps": curve[-1][0] if curve else 0,
+           # the evaluations left out of the curve's span (mean over peers; parse_peer_lines)
+           "eval_s_left_out": round(_mean([eval_seconds_between(list(p.lines), curve[0][0], curve[-1][0])
+                                           for p in procs]), 2) if curve else 0.0,
            "sync_every": [s.get("sync_every") for s in summaries],
            "push_lead": [s.get("push_lead") for s in summaries],  # inner steps the row pushes led by (--push-lead)
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
@@ -1619,7 +1633,9 @@ def main() -> int:
             else:
                 print(f"{what}: {_f(res.get('step_time_s'), 3)} s/step, {(res.get('run_bytes_per_peer') or 0) / 1e6:.1f} MB"
                       f"/peer, final loss {_f((res.get('curve') or [[0, 0, None]])[-1][2], 4)}, val_loss "
-                      f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s", flush=True)
+                      f"{_f(res.get('val_loss'), 4)}, exit {res.get('exit_codes')}, {secs:.0f} s"
+                      + (f" (evaluations left out of its time: {res['eval_s_left_out']:.1f} s)"
+                         if res.get("eval_s_left_out") else ""), flush=True)
                 if res.get("step_phases_ms"):
                     print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
                 if a.slow_peer is not None and "samples_by_peer" in res:
