@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.tables import TableSpec
-from swarm.tables.http import PushBatcher, RowStats
+from swarm.tables.http import PushBatcher, RowStats, held_seconds
 from swarm.tables.service import FRESH, Fenced, Moving, NotPrimary, TableService
 from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_replays, encode_replay_reply,
                                  stale_rows)
@@ -419,6 +419,9 @@ async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_f
     assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
     assert svc.stats.flushes == 1 and svc.shards["ngram"].steps(sub).tolist() == [1] * len(sub)
     assert batcher.client.stats.flushes_partial == 0
+    # each push says how long it was held for the other's (its answer's held_s): the first ~0.3 s
+    assert 0.25 <= batcher.held_for(1) < 5 and batcher.held_for(2) < 0.2
+    assert batcher.held_for(1) == 0.0 and batcher.held_for(None) == 0.0  # read once; a repeat: none
     batcher.close()
 
     m, sub, svc = _one_primary()
@@ -428,6 +431,13 @@ async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_f
     assert asyncio.get_running_loop().time() - t0 >= 0.25  # p-1 never pushed: the wait ran out, then the flush
     assert svc.stats.flushes == 1 and batcher.client.stats.flushes_partial == 1
     batcher.close()
+
+
+def test_a_push_answer_says_how_long_it_was_held_and_a_bad_one_counts_as_none():
+    assert held_seconds(b'{"applied": true, "replicated": false, "held_s": 1.25}') == 1.25
+    for bad in (b"not json", b"[]", b'{"applied": true}', b'{"held_s": "1"}', b'{"held_s": -1}',
+                b'{"held_s": 1e300}', b'{"held_s": NaN}', b'{"held_s": true}'):
+        assert held_seconds(bad) == 0.0
 
 
 def test_a_primary_waits_for_a_windows_pushes_an_eighth_of_the_round_deadline():

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -115,6 +117,8 @@ class TableClient:
         # with local steps: the last window's pulled rows and their tags (use_held); a pull then
         # asks their owners only for the rows that changed
         self.held: HeldRows | None = None
+        # push key -> the longest a primary held it for the rest of its flush, seconds (push_held)
+        self._push_held: dict[str, float] = {}
         self.dims = {s.name: s.dim for s in service.specs}
         # the primary's side of the pushes it receives
         self.batcher = PushBatcher(self, push_window, complete_pushes, ack_when_applied, whole_wait)
@@ -156,7 +160,9 @@ class TableClient:
             for table, pos in todo.items():
                 ids = want[table][pos]
                 # ids whose slot this peer owns (primary or replica) are read here: a replica is
-                # written before the primary acknowledges a push, so it is as current as the primary
+                # written before the primary acknowledges a push (--push-ack replicated), so it is
+                # as current as the primary; with --push-ack applied (local steps) its replay may
+                # still be on its way (docs/design.md, "When a primary answers a push")
                 mine = omap.owned_mask(self.self_id, table, ids)
                 if mine.any():
                     by_peer.setdefault(self.self_id, {})[table] = pos[mine]
@@ -296,19 +302,34 @@ class TableClient:
         if peer == self.self_id:
             # no wire: the flush rounds what it applies to the push dtype, as for a remote push
             try:
-                await self.batcher.submit(req)
+                ticket = await self.work(self.service.accept_push, req)
+                await self.batcher.wait(ticket)
             except (Fenced, Moving, NotPrimary, ShardError):
                 return False
+            self._note_held(req.key, self.batcher.held_for(ticket))
             return True
         addr = self.addr_of(peer)
         if addr is None or peer == "" or body is None:
             return False
         try:
-            await self.transport.request("POST", addr + "/v1/rows/push", to=peer, body=body, timeout=self.timeout,
-                                         content_type="application/octet-stream", kind="rows", reply_kind="rows")
-            return True
+            reply = await self.transport.request("POST", addr + "/v1/rows/push", to=peer, body=body, timeout=self.timeout,
+                                                 content_type="application/octet-stream", kind="rows", reply_kind="rows")
         except PeerUnreachable as e:
             return None if e.code == "banned" else False
+        self._note_held(req.key, held_seconds(reply))
+        return True
+
+    def _note_held(self, key: str, held: float) -> None:
+        """The longest a primary held push ``key`` for the rest of its flush (push_held)."""
+        self._push_held[key] = max(self._push_held.get(key, 0.0), held)
+        while len(self._push_held) > 64:
+            self._push_held.pop(next(iter(self._push_held)))
+
+    def push_held(self, key: str) -> float:
+        """Seconds the primaries held push ``key`` for the rest of their flushes, the most of any
+        (their answers' ``held_s``; 0 when none said): time its pusher spent waiting for others'
+        pushes, not for its own bytes (LocalSteps times its pushes without it)."""
+        return self._push_held.get(key, 0.0)
 
     # -- hand-off -----------------------------------------------------------------------------
     async def fetch(self, moves: list[Move]) -> None:
@@ -602,6 +623,10 @@ class PushBatcher:
         self._waiting: dict[int, asyncio.Future] = {}
         # (refusal or None, replicated) of pushes whose flush ended before their waiter registered
         self._done: dict[int, tuple[Exception | None, bool]] = {}
+        # when each waiting push registered, and how long each answered one was held for the rest
+        # of its flush (the window's other pushes), seconds: held_for
+        self._since: dict[int, float] = {}
+        self._held: dict[int, float] = {}
         self._task: asyncio.Task | None = None
         self._closed = False
 
@@ -624,6 +649,7 @@ class PushBatcher:
             raise Moving("this peer is shutting down")
         else:
             fut = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+            self._since[ticket] = time.monotonic()
             if self._task is None or self._task.done():
                 self._task = asyncio.ensure_future(self._run())
             if await self._is_whole():
@@ -632,6 +658,13 @@ class PushBatcher:
         if err is not None:
             raise err
         return replicated
+
+    def held_for(self, ticket: int | None) -> float:
+        """Seconds the answered push ``ticket`` waited for the rest of its flush (0 for a repeat, or
+        one whose flush was ready before it registered): what it did not cost its pusher's link. A
+        pusher that times its pushes (--push-lead auto) leaves it out, since with local steps a flush
+        waits for the window's last pusher (``complete``)."""
+        return self._held.pop(ticket, 0.0) if ticket is not None else 0.0
 
     async def _is_whole(self) -> bool:
         """A push from every sender ``complete`` names is queued."""
@@ -666,10 +699,12 @@ class PushBatcher:
             if not fut.done():
                 fut.set_result((Moving("this peer is shutting down"), False))
         self._waiting.clear()
+        self._since.clear()
 
     async def _flushes(self) -> None:
         while self._waiting:
             await self._gather()
+            gathered = time.monotonic()
             try:
                 forward, outcome, verdicts = await self.client.work(self._flush)
             except Exception as e:  # a bug, not a refusal: answer everyone waiting rather than hang them
@@ -680,18 +715,24 @@ class PushBatcher:
             if verdicts and observe is not None:
                 observe(verdicts)
             if self.ack_when_applied:  # answered now; replicated below, before the next flush
-                self._answer(outcome, False)
+                self._answer(outcome, False, gathered)
             try:
                 replicated = await replicate(self.client, forward)
             except Exception:  # a bug, not a refusal: the flush is applied here, so answer (unreplicated)
                 log.exception("replicating a flush failed")
                 replicated = False
             if not self.ack_when_applied:
-                self._answer(outcome, replicated)
+                self._answer(outcome, replicated, gathered)
 
-    def _answer(self, outcome: dict[int, Exception | None], replicated: bool) -> None:
-        """Resolve the waiters of a flush's tickets (refusal or None; whether replicated)."""
+    def _answer(self, outcome: dict[int, Exception | None], replicated: bool, gathered: float) -> None:
+        """Resolve the waiters of a flush's tickets (refusal or None; whether replicated); each
+        waited ``gathered`` (when the flush stopped gathering) less when it came."""
         for ticket, err in outcome.items():
+            since = self._since.pop(ticket, None)
+            if since is not None:
+                self._held[ticket] = max(0.0, gathered - since)
+                while len(self._held) > 1024:
+                    self._held.pop(next(iter(self._held)))
             fut = self._waiting.pop(ticket, None)
             if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
                 self._done[ticket] = (err, replicated)
@@ -782,6 +823,17 @@ async def digests_in_pieces(work: Work, fn: Callable, table: str, slots: list[in
     for i in range(0, len(slots), DIGEST_PIECE):
         out += await work(fn, table, slots[i:i + DIGEST_PIECE])
     return out
+
+
+def held_seconds(reply: bytes) -> float:
+    """A push answer's ``held_s`` (seconds the primary held the push for the rest of its flush),
+    0.0 when the answer has none or an unusable one: it only tunes the pusher's --push-lead."""
+    try:
+        held = json.loads(reply).get("held_s", 0.0)
+    except (ValueError, AttributeError):
+        return 0.0
+    ok = isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) and 0 <= held <= 3600
+    return float(held) if ok else 0.0
 
 
 def exact_dtype(g: torch.Tensor) -> str:
@@ -888,11 +940,13 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             request, "/v1/rows/push", "push request",
             lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
             lambda p, req: admit(p, request, req))
+        batcher = ready(request).table_client.batcher
         try:
-            replicated = await ready(request).table_client.batcher.wait(ticket)
+            replicated = await batcher.wait(ticket)
         except (Fenced, Moving, NotPrimary, ShardError) as e:
             raise _service_errors(e) from None
-        return web.json_response({"applied": True, "replicated": replicated})
+        return web.json_response({"applied": True, "replicated": replicated,
+                                  "held_s": round(batcher.held_for(ticket), 3)})
 
     async def replica(request: web.Request) -> web.Response:
         fresh = await decoded_then_applied(
