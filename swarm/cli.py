@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
       f"one computes (each row once a window; default {d.row_lookahead})")
     a("--push-lead", type=_push_lead, help="with --sync-every > 1: send a window's row deltas this many inner steps "
       "before its end, so they travel while its last steps compute; those steps' row deltas go with the next "
-      "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took, none where "
+      "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took (not the time "
+      "their primaries held them for the other peers' pushes), none where "
       "they took under half a step, at most H/4 (default 0)")
     a("--held-rows", type=int, help="with --sync-every > 1: rows of the last window kept, so that a pull asks their owners "
       f"only for the rows that changed since (0 = pull every row whole; default {d.held_rows})")
