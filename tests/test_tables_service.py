@@ -412,15 +412,16 @@ async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_f
     that flush is counted partial."""
     m, sub, svc = _one_primary()
     batcher = PushBatcher(_BatcherClient(svc), window=0.05, complete=lambda: {"p-0", "p-1"}, whole_wait=30.0)
-    first = asyncio.ensure_future(batcher.submit(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))))
+    first = asyncio.ensure_future(batcher.submit_timed(_push(m, sub, "p-0:2", torch.full((len(sub), 8), 0.1))))
     await asyncio.sleep(0.3)
     assert not first.done() and svc.stats.flushes == 0  # six push windows on, p-1's push is awaited still
-    second = batcher.submit(_push(m, sub, "p-1:2", torch.full((len(sub), 8), 0.2)))
-    assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [True, True]
+    second = batcher.submit_timed(_push(m, sub, "p-1:2", torch.full((len(sub), 8), 0.2)))
+    (ok1, held1), (ok2, held2) = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert [ok1, ok2] == [True, True]
     assert svc.stats.flushes == 1 and svc.shards["ngram"].steps(sub).tolist() == [1] * len(sub)
     assert batcher.client.stats.flushes_partial == 0
     # each push says how long it was held for the other's (its answer's held_s): the first ~0.3 s
-    assert 0.25 <= batcher.held_for(1) < 5 and batcher.held_for(2) < 0.2
+    assert 0.25 <= held1 < 5 and held2 < 0.2
     assert batcher.held_for(1) == 0.0 and batcher.held_for(None) == 0.0  # read once; a repeat: none
     batcher.close()
 

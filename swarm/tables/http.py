@@ -302,11 +302,10 @@ class TableClient:
         if peer == self.self_id:
             # no wire: the flush rounds what it applies to the push dtype, as for a remote push
             try:
-                ticket = await self.work(self.service.accept_push, req)
-                await self.batcher.wait(ticket)
+                _, held = await self.batcher.submit_timed(req)
             except (Fenced, Moving, NotPrimary, ShardError):
                 return False
-            self._note_held(req.key, self.batcher.held_for(ticket))
+            self._note_held(req.key, held)
             return True
         addr = self.addr_of(peer)
         if addr is None or peer == "" or body is None:
@@ -635,7 +634,13 @@ class PushBatcher:
         the answer went before they did, or they did not). Raises the
         service's refusal (Fenced, NotPrimary, Moving, ShardError): at once, or at the flush when
         the map changed in between."""
-        return await self.wait(await self.client.work(self.client.service.accept_push, req))
+        return (await self.submit_timed(req))[0]
+
+    async def submit_timed(self, req: PushRequest) -> tuple[bool, float]:
+        """submit(), and the seconds the push was held for the rest of its flush (held_for)."""
+        ticket = await self.client.work(self.client.service.accept_push, req)
+        replicated = await self.wait(ticket)
+        return replicated, self.held_for(ticket)
 
     async def wait(self, ticket: int | None) -> bool:
         """Wait for the flush of the push TableService.accept_push queued as ``ticket`` (None: a

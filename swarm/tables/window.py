@@ -96,9 +96,9 @@ class _Rows:
         self.order = np.insert(self.order, at, np.arange(n, n + k, dtype=np.int64))
         self.n = n + k
 
-    def in_id_order(self, mask: np.ndarray | None = None) -> np.ndarray:
+    def in_id_order(self, mask: np.ndarray) -> np.ndarray:
         """Buffer positions in ascending id order, of the rows ``mask`` (in buffer order) picks."""
-        return self.order if mask is None else self.order[mask[self.order]]
+        return self.order[mask[self.order]]
 
 
 class WindowRows:
