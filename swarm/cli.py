@@ -179,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
            "replicas get the flush before the next one), replicated (once its replicas have replayed it too) or auto "
            "(applied with --sync-every > 1, replicated with per-step rounds; default auto)")
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
-      f"per row (default {d.push_window:g}); with --sync-every > 1 it waits for a window's pushes from every "
-      "contributor, up to --round-timeout / 8")
+      f"per row (default {d.push_window:g}); with --sync-every > 1 it flushes as soon as every contributor's "
+      "push of the window is in")
+    a("--window-push-wait", type=float, help="with --sync-every > 1: seconds a table primary waits after a window's "
+      "first row push for one from every contributor (0: --push-window; try 2.5 with --push-lead auto on a slow "
+      "link; it holds fast peers' payloads for a slow peer's push; must be under --round-timeout / 4; default 0)")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
     a("--free-run", type=int, choices=(0, 1), help="1: when this peer computes clearly slower than the swarm it stops "

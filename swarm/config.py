@@ -103,6 +103,9 @@ class PeerConfig:
     # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
     held_rows: int = 1 << 17
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
+    # with --sync-every > 1: seconds a primary waits after a window's first row push for one from
+    # every contributor (0: --push-window); a primary's own choice (docs/design.md "A window's rows")
+    window_push_wait: float = 0.0
     # when a primary answers a row push: "applied" (its flush is applied here; the replicas get it
     # before the next flush), "replicated" (its replicas have replayed it too), "auto" (applied with
     # --sync-every > 1, replicated with per-step rounds); a primary's own choice (docs/design.md)
@@ -150,16 +153,6 @@ class PeerConfig:
         --sync-every). auto: applied with local steps, whose window barrier would otherwise wait for
         the replays on every window (docs/design.md, "When a primary answers a push")."""
         return self.push_ack == "applied" or (self.push_ack == "auto" and window > 1)
-
-    def window_push_wait(self) -> float:
-        """How long this peer, as a table primary in a swarm with local steps, waits after a
-        window's first row push for one from every contributor before it applies what it has: an
-        eighth of --round-timeout (at least --push-window), half of the quarter a pusher holds its
-        payload for their answers (swarm/local_steps.py), so a push that waited it out is still
-        answered in time. A window's pushes come over more than a --push-window (each peer's
-        --push-lead, its window ending a little before or after the others'); docs/design.md,
-        "A window's rows hold all of the last window"."""
-        return max(self.push_window, self.round_timeout / 8)
 
     def pull_dtype(self) -> str:
         """The dtype this peer's row pulls ask for: --row-dtype, or by default int8 for per-step
@@ -236,6 +229,9 @@ class PeerConfig:
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
         need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
+        # below the quarter of --round-timeout a pusher holds its payload for the answers (local_steps.py)
+        need(0 <= self.window_push_wait < self.round_timeout / 4,
+             f"--window-push-wait must be in [0, --round-timeout / 4) seconds, got {self.window_push_wait}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.free_run in (0, 1), f"--free-run must be 0 or 1, got {self.free_run}")

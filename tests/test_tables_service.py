@@ -441,14 +441,17 @@ def test_a_push_answer_says_how_long_it_was_held_and_a_bad_one_counts_as_none():
         assert held_seconds(bad) == 0.0
 
 
-def test_a_primary_waits_for_a_windows_pushes_an_eighth_of_the_round_deadline():
-    """PeerConfig.window_push_wait: round_timeout / 8, half the quarter a pusher holds its payload
-    for the answers (so a flush that waited it out still answers in time), never below --push-window."""
-    from swarm.config import PeerConfig
-    assert PeerConfig().window_push_wait() == 2.5
-    assert PeerConfig(round_timeout=4.0).window_push_wait() == 0.5
-    assert PeerConfig(round_timeout=1.0, push_window=0.25).window_push_wait() == 0.25
-    assert PeerConfig().window_push_wait() < PeerConfig().round_timeout / 4
+def test_a_primary_waits_for_a_windows_pushes_the_push_window_unless_told_longer():
+    """--window-push-wait: 0 (the default) leaves a primary's wait for a window's pushes at
+    --push-window (a longer one holds fast peers' payloads for a slow peer's push:
+    test_pacing's slow peer then stopped shortening its windows); it must stay under the quarter
+    of --round-timeout a pusher holds its payload for the answers, or the CLI says so."""
+    from swarm.config import ConfigError, PeerConfig
+    assert PeerConfig().window_push_wait == 0.0
+    PeerConfig(window_push_wait=2.5).validate()
+    for bad in (-1.0, 5.0, 9.0):
+        with pytest.raises(ConfigError, match="--window-push-wait"):
+            PeerConfig(window_push_wait=bad).validate()
 
 
 class _ShutDown(_BatcherClient):
