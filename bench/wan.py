@@ -25,7 +25,7 @@ bench/ddp_baseline.py --compute-speed F: the forward/backward repeated, the extr
 away); in DDP every rank then waits for it. Hivemind and torchft are not run then (their baselines
 have no such knob). The floor runs with it too (same contention); its step time is the fast peers'.
 The last line adds "fast_peer_wait_share" {rate: {method: share}}: the fast peers' share of step
-time spent waiting on others (swarm: their step_phases' wait_share, "rows" + "round"; DDP: the
+time spent waiting on others (swarm: their step_phases' wait_share, "rows" + "held" + "round"; DDP: the
 backward time beyond the same under no_sync, from each rank's step lines), and the slow peer's
 samples ("slow_peer_samples", "samples_by_peer") to show its samples still count.
 
@@ -462,7 +462,7 @@ def fast_slow_split(summaries: list[dict], slow_id: str | None) -> tuple[list[di
 
 def peer_wait_share(summaries: list[dict]) -> float | None:
     """Mean over these peers of the share of step time spent waiting on other peers (their
-    step_phases' wait_share: the "rows" and "round" phases, swarm/steptimes.py)."""
+    step_phases' wait_share: the "rows", "held" and "round" phases, swarm/steptimes.py)."""
     shares = [w for s in summaries if (w := (s.get("step_phases") or {}).get("wait_share")) is not None]
     return round(sum(shares) / len(shares), 3) if shares else None
 

@@ -19,7 +19,7 @@ import traceback
 
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
-from .config import PUSH_ACKS, ConfigError, PeerConfig, field_names, from_env, parse_push_lead
+from .config import PUSH_ACKS, ConfigError, PeerConfig, field_names, from_env, parse_push_lead, parse_window_push_wait
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
 from .task_errors import TaskError, UserCodeError, parse_task_args
 
@@ -69,6 +69,13 @@ def _push_lead(raw: str) -> int:
         return parse_push_lead(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected auto or a number of inner steps, got {raw!r}") from None
+
+
+def _window_push_wait(raw: str) -> float:
+    try:
+        return parse_window_push_wait(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of seconds, got {raw!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
       f"per row (default {d.push_window:g}); with --sync-every > 1 it flushes as soon as every contributor's "
       "push of the window is in")
-    a("--window-push-wait", type=float, help="with --sync-every > 1: seconds a table primary waits after a window's "
-      "first row push for one from every contributor (0: --push-window; try 2.5 with --push-lead auto on a slow "
-      "link; it holds fast peers' payloads for a slow peer's push; must be under --round-timeout / 4; default 0)")
+    a("--window-push-wait", type=_window_push_wait, help="with --sync-every > 1: seconds a table primary waits after "
+      "a window's first row push for one from every contributor, so the window's pushes make one flush (0: "
+      "--push-window; auto: --round-timeout / 8, 2.5 s by default; a number must be under --round-timeout / 4; "
+      "default auto)")
     a("--linger", type=float, help=f"seconds to keep serving rows after --steps for peers still evaluating (default {d.linger})")
     a("--round-timeout", type=float, help=f"longest wait for one round's payloads, seconds (default {d.round_timeout})")
     a("--free-run", type=int, choices=(0, 1), help="1: when this peer computes clearly slower than the swarm it stops "

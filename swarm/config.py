@@ -104,8 +104,9 @@ class PeerConfig:
     held_rows: int = 1 << 17
     push_window: float = 0.25  # a primary applies the pushes that arrive within this many seconds together
     # with --sync-every > 1: seconds a primary waits after a window's first row push for one from
-    # every contributor (0: --push-window); a primary's own choice (docs/design.md "A window's rows")
-    window_push_wait: float = 0.0
+    # every contributor (0: --push-window; -1, "auto": --round-timeout / 8); a primary's own choice
+    # (docs/design.md "Tables in windows")
+    window_push_wait: float = -1.0
     # when a primary answers a row push: "applied" (its flush is applied here; the replicas get it
     # before the next flush), "replicated" (its replicas have replayed it too), "auto" (applied with
     # --sync-every > 1, replicated with per-step rounds); a primary's own choice (docs/design.md)
@@ -153,6 +154,14 @@ class PeerConfig:
         --sync-every). auto: applied with local steps, whose window barrier would otherwise wait for
         the replays on every window (docs/design.md, "When a primary answers a push")."""
         return self.push_ack == "applied" or (self.push_ack == "auto" and window > 1)
+
+    def window_push_wait_s(self) -> float | None:
+        """How long this peer, as a table primary with local steps, waits after a window's first row
+        push for every contributor's (PushBatcher ``whole_wait``; None: the push window): auto is an
+        eighth of --round-timeout, half the quarter a pusher holds its payload for the answers."""
+        if self.window_push_wait < 0:
+            return self.round_timeout / 8
+        return self.window_push_wait or None
 
     def pull_dtype(self) -> str:
         """The dtype this peer's row pulls ask for: --row-dtype, or by default int8 for per-step
@@ -230,8 +239,8 @@ class PeerConfig:
         need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         # below the quarter of --round-timeout a pusher holds its payload for the answers (local_steps.py)
-        need(0 <= self.window_push_wait < self.round_timeout / 4,
-             f"--window-push-wait must be in [0, --round-timeout / 4) seconds, got {self.window_push_wait}")
+        need(self.window_push_wait == -1 or 0 <= self.window_push_wait < self.round_timeout / 4,
+             f"--window-push-wait must be auto or in [0, --round-timeout / 4) seconds, got {self.window_push_wait}")
         need(self.linger >= 0, f"--linger must be >= 0, got {self.linger}")
         need(self.round_timeout > 0, f"--round-timeout must be > 0, got {self.round_timeout}")
         need(self.free_run in (0, 1), f"--free-run must be 0 or 1, got {self.free_run}")
@@ -345,9 +354,16 @@ def parse_push_lead(raw: str) -> int:
     return -1 if raw.strip().lower() == "auto" else int(raw)
 
 
+def parse_window_push_wait(raw: str) -> float:
+    """--window-push-wait's value: "auto" (-1) or seconds (PeerConfig.validate bounds them)."""
+    return -1.0 if raw.strip().lower() == "auto" else float(raw)
+
+
 # fields whose flag takes words as well as numbers: how a value is read (CLI and SWARM_* alike), and
 # what it must be
-PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {"push_lead": (parse_push_lead, "value (auto or an integer)")}
+PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "push_lead": (parse_push_lead, "value (auto or an integer)"),
+    "window_push_wait": (parse_window_push_wait, "value (auto or seconds)")}
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -49,6 +49,8 @@ class LocalSteps:
         self.windows: dict[int, tuple[float, list[float], float]] = {}
         # our last windows' row pushes: w -> (when they went, when they were all answered or None)
         self.pushed: dict[int, tuple[float, float | None]] = {}
+        # our last rounds: w -> when the other contributors' windows w were over, as we saw it
+        self.others_done: dict[int, float] = {}
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -61,6 +63,9 @@ class LocalSteps:
             if not await self.window(role, step + 1, ends_step=False):
                 return
         await role.round(step)  # marks "round" and "apply"
+        done = self.others_done_at(step)
+        if done is not None:
+            self.others_done[step] = done
         await peer.after_step(step, peer.recent_loss())
         peer.step_times.mark("after")
         peer.step_times.end()
@@ -107,7 +112,8 @@ class LocalSteps:
                 if self.fit and cadence.end_window_now(h, i + 1, self.others_in(w)):
                     # the swarm's window is over and waits for us: this step was our last (what
                     # was pulled ahead for the steps left out is dropped below)
-                    peer.event("window", f"window {w}: the others' payloads are in; sending after {i + 1} "
+                    peer.event("window", f"window {w}: the others' windows are over (their payloads or row "
+                                         f"pushes are in); sending after {i + 1} "
                                          f"of {h} inner steps")
                     h, peer.inner_step = i + 1, (w + 1) * self.h
                     break
@@ -130,6 +136,7 @@ class LocalSteps:
         # the rows go before the payload without --overlap (below), and the last window's always
         # (Peer._settle_rows relies on it); with --overlap the payload goes first, as the round waits for it
         rows_first = not self.overlap or last
+        held_s = 0.0
         if rows_first and pushes is not None:
             await self._push(role, pushes, w)
         if not self.overlap:
@@ -141,12 +148,14 @@ class LocalSteps:
             # held up (a primary just died, its slots moving) holds the payload a quarter of the
             # round's deadline at most, so the others' round does not time out on us
             bound = peer.cfg.round_timeout / 4
+            waited = time.monotonic()
             if not await peer.pushes_landed(bound):
                 peer.event("rows", f"window {w}: row pushes not answered within {bound:g} s; "
                                    "the payload goes without waiting for them")
+            held_s = min(self._held(w), time.monotonic() - waited)
         peer.send_payload(enc)
         self.windows[w] = (started, ends, time.monotonic())
-        for book in (self.windows, self.pushed):
+        for book in (self.windows, self.pushed, self.others_done):
             for old in [k for k in book if k < w - 4]:
                 del book[old]
         if not rows_first and pushes is not None:
@@ -154,6 +163,7 @@ class LocalSteps:
         peer.record_payload(enc)
         peer.sent_through = w
         clock.mark("send")
+        clock.move("send", "held", held_s)  # waiting for the others' pushes, not sending ours
         if not ends_step:
             clock.end()
         peer.maybe_print()
@@ -189,14 +199,19 @@ class LocalSteps:
         await role.push(pushes, {}, w)
         sent = time.monotonic()
         self.pushed[w] = (sent, None)
-        client = self.peer.table_client
 
         async def landed() -> None:
             if await self.peer.pushes_landed(self.peer.cfg.round_timeout) and self.pushed.get(w, (None,))[0] == sent:
-                held = client.push_held(f"{self.peer.id}:{w}") if client is not None else 0.0
+                held = self._held(w)
                 self.pushed[w] = (sent, max(sent, time.monotonic() - held))
 
         self.peer.spawn(landed(), "push-timing")
+
+    def _held(self, w: int) -> float:
+        """Seconds window ``w``'s row pushes were held at their primaries for the rest of their
+        flushes (the others' pushes), the most of any; 0 before their answers came."""
+        client = self.peer.table_client
+        return client.push_held(f"{self.peer.id}:{w}") if client is not None else 0.0
 
     def lead(self, w: int, h: int, last: bool) -> int:
         """Inner steps before the end of window ``w`` (of ``h``) at which its row pushes go:
@@ -232,21 +247,40 @@ class LocalSteps:
 
     def steps_for(self, w: int) -> int:
         """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py
-        window_steps makes of the newest of our windows whose round is complete (when our payload
-        went against when the others' were all in)."""
+        window_steps makes of the newest of our windows whose round was taken knowing when the others'
+        ended (when our payload went against others_done_at then)."""
         if not self.fit:
             return self.h
         for r in sorted((r for r in self.windows if r < w), reverse=True):
-            others = self.peer.pacing.completed_at(r)
+            others = self.others_done.get(r)
             if others is not None:
                 started, ends, sent = self.windows[r]
                 return cadence.window_steps(self.h, [e - started for e in ends], sent - started, others - started)
         return self.h
 
-    def others_in(self, w: int) -> bool:
-        """Every other contributor's payload for round ``w`` is here (there is at least one)."""
+    def others_done_at(self, w: int) -> float | None:
+        """When every other contributor's window ``w`` was over, as we saw it (monotonic s; None: not
+        yet, or nobody else): their payloads all in, or earlier, their row pushes of it all in at our
+        primary. With --window-push-wait their payloads wait for our own push (a primary holds a
+        window's pushes until every contributor's is in), so they come in when our window ends, however
+        long it takes, and only the pushes say when theirs did."""
         others = self.peer.expected(w) - {self.peer.id}
-        return bool(others) and not self.peer.book.missing(w, others)
+        if not others:
+            return None
+        client = self.peer.table_client
+        seen = [self.peer.pacing.completed_at(w), client.pushed_in(w, others) if client is not None else None]
+        return min((t for t in seen if t is not None), default=None)
+
+    def others_in(self, w: int) -> bool:
+        """Every other contributor's window ``w`` is over: their payloads for round ``w`` are in, or
+        their row pushes of it (others_done_at; there is at least one other)."""
+        others = self.peer.expected(w) - {self.peer.id}
+        if not others:
+            return False
+        if not self.peer.book.missing(w, others):
+            return True
+        client = self.peer.table_client
+        return client is not None and client.pushed_in(w, others) is not None
 
     def _inner(self, batch: Any, want: dict) -> Any:
         """One inner step on the window's working rows (training thread)."""

@@ -327,7 +327,7 @@ class Peer:
                                         event=self.event,
                                         complete_pushes=self.window_pushers if self.window > 1 else None,
                                         ack_when_applied=self.cfg.acks_when_applied(self.window),
-                                        whole_wait=self.cfg.window_push_wait or None)
+                                        whole_wait=self.cfg.window_push_wait_s())
         if self.window > 1:
             self.table_client.use_held(self.cfg.held_rows)
         self._exit.callback(self.table_client.close)

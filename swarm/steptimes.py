@@ -8,9 +8,11 @@ import collections
 import statistics
 import time
 
-# in step order; "rows" and "round" are waits on other peers, the rest is this peer's own work
-PHASES = ("rows", "compute", "send", "round", "apply", "after")
-WAITS = ("rows", "round")
+# in step order; "rows", "held" and "round" are waits on other peers, the rest is this peer's own work
+# ("held": with local steps, the part of sending a window that its row pushes' primaries held them
+# for the other contributors' pushes of the window, tables/http.py PushBatcher)
+PHASES = ("rows", "compute", "send", "held", "round", "apply", "after")
+WAITS = ("rows", "held", "round")
 
 
 class StepTimes:
@@ -31,6 +33,14 @@ class StepTimes:
         self._step[phase] = self._step.get(phase, 0.0) + now - self._t
         self._t = now
 
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-file up to ``seconds`` of this step's ``src`` time as ``dst``: a wait found out only
+        after its phase was marked (how long a primary held our pushes comes with its answer)."""
+        moved = min(max(0.0, seconds), self._step.get(src, 0.0))
+        if moved > 0:
+            self._step[src] -= moved
+            self._step[dst] = self._step.get(dst, 0.0) + moved
+
     def end(self) -> None:
         """The step is complete: file its phases (a phase it did not pass through counts 0)."""
         for p in PHASES:
@@ -39,7 +49,7 @@ class StepTimes:
 
     def report(self) -> dict:
         """Median and mean milliseconds per phase over the kept steps, and the share of the step
-        spent waiting on other peers (rows + round, over all phases; means)."""
+        spent waiting on other peers (rows + held + round, over all phases; means)."""
         n = len(self.series[PHASES[0]])
         if not n:
             return {"steps": 0}

@@ -301,7 +301,7 @@ async def test_a_slow_peer_takes_shorter_windows_and_the_swarm_agrees():
     # they came in with fewer than 2 of its steps left (end_window_now leaves those): on 2 shared cores
     # a fast peer's first window can start late (seen: 0.3 s) and end barely before the slow one's
     started, ends, _ = slow.local_steps.windows[0]
-    others_in = slow.pacing.completed_at(0)
+    others_in = slow.local_steps.others_done.get(0)
     assert others_in is not None
     if not any(e["kind"] == "window" and e["detail"].startswith("window 0:") for e in slow.events):
         assert len(ends) == 8 and sum(1 for e in ends if e > others_in) <= 2, (others_in - started,

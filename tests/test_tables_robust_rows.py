@@ -266,9 +266,13 @@ async def test_a_sender_whose_row_pushes_are_outliers_is_banned_and_refused_with
         r = await client.post("/v1/rows/push", data=body, headers={"X-Test-Sender": "evil"})
         assert r.status == 403 and (await r.json())["code"] == "sender"
         assert peer.tables.pending == {}
+        # a refused push is no arrival (a slow peer reads the others' window ends from arrivals)
+        assert peer.table_client.pushed_in(3, {"evil"}) is None and peer.table_client.pushed_in(4, {"p1"}) is None
         body = encode_push(PushRequest(m.view, "p1:3", {"t": mine}, {"t": torch.ones(len(mine), DIM)}))
         r = await client.post("/v1/rows/push", data=body, headers={"X-Test-Sender": "p1"})
         assert r.status == 200, await r.text()
+        assert peer.table_client.pushed_in(3, {"p1"}) is not None
+        assert peer.table_client.pushed_in(3, {"p1", "evil"}) is None
     st = peer.table_client.status()["push_scores"]
     assert st["evil"]["bans"] == 1 and st["evil"]["refused"] == 1 and st["p1"]["bans"] == 0
     peer.table_client.batcher.close()

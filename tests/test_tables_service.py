@@ -423,6 +423,9 @@ async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_f
     # each push says how long it was held for the other's (its answer's held_s): the first ~0.3 s
     assert 0.25 <= held1 < 5 and held2 < 0.2
     assert batcher.held_for(1) == 0.0 and batcher.held_for(None) == 0.0  # read once; a repeat: none
+    # when each pusher's push of the window came in: the last of them, p-1's, ~0.3 s after p-0's
+    one, both = batcher.arrivals.all_in(2, {"p-0"}), batcher.arrivals.all_in(2, {"p-0", "p-1"})
+    assert one is not None and both is not None and 0.25 <= both - one < 5
     batcher.close()
 
     m, sub, svc = _one_primary()
@@ -434,6 +437,30 @@ async def test_a_windows_pushes_spread_over_more_than_the_push_window_make_one_f
     batcher.close()
 
 
+def test_push_arrivals_say_when_the_last_of_a_steps_pushers_came_in():
+    """PushArrivals: the first arrival per sender and step counts (a repeat does not move it);
+    a step is in once every sender named has pushed; keys without a step are ignored, and only the
+    last ``keep`` steps are kept."""
+    from swarm.tables.arrivals import PushArrivals
+    a = PushArrivals(keep=3)
+    a.note("p-0:5", 1.0)
+    assert a.all_in(5, {"p-0"}) == 1.0 and a.all_in(5, {"p-0", "p-1"}) is None and a.all_in(5, set()) is None
+    a.note("p-1:5", 2.5)
+    a.note("p-0:5", 9.0)  # a repeat: still 1.0
+    assert a.all_in(5, {"p-0", "p-1"}) == 2.5 and a.all_in(5, {"p-0"}) == 1.0
+    for bad in ("p-0", "p-0:", ":5", "p-0:x", "p-0:-1", "p-0:5.0"):
+        a.note(bad, 3.0)
+    assert a.all_in(5, {"p-0", "p-1"}) == 2.5 and a.all_in(4, {"p-0"}) is None
+    assert a.all_in(5, {"p-0:5"}) is None
+    for step in (6, 7, 8):
+        a.note(f"p-0:{step}", float(step))
+    assert a.all_in(5, {"p-0"}) is None and a.all_in(8, {"p-0"}) == 8.0  # step 5 fell out
+    a.note("p-0:2", 1.0)  # older than every step kept: not kept
+    assert a.all_in(2, {"p-0"}) is None and a.all_in(6, {"p-0"}) == 6.0
+    a.note("p/retry:7", 7.5)  # a sender part with a slash is a name like any other
+    assert a.all_in(7, {"p/retry"}) == 7.5 and a.all_in(7, {"p-0"}) == 7.0
+
+
 def test_a_push_answer_says_how_long_it_was_held_and_a_bad_one_counts_as_none():
     assert held_seconds(b'{"applied": true, "replicated": false, "held_s": 1.25}') == 1.25
     for bad in (b"not json", b"[]", b'{"applied": true}', b'{"held_s": "1"}', b'{"held_s": -1}',
@@ -441,17 +468,31 @@ def test_a_push_answer_says_how_long_it_was_held_and_a_bad_one_counts_as_none():
         assert held_seconds(bad) == 0.0
 
 
-def test_a_primary_waits_for_a_windows_pushes_the_push_window_unless_told_longer():
-    """--window-push-wait: 0 (the default) leaves a primary's wait for a window's pushes at
-    --push-window (a longer one holds fast peers' payloads for a slow peer's push:
-    test_pacing's slow peer then stopped shortening its windows); it must stay under the quarter
-    of --round-timeout a pusher holds its payload for the answers, or the CLI says so."""
+def test_a_primary_waits_for_a_windows_pushes_an_eighth_of_the_round_timeout_unless_told(capsys):
+    """--window-push-wait: auto (the default) is --round-timeout / 8, 0 the push window; a number
+    must stay under the quarter of --round-timeout a pusher holds its payload for the answers, or
+    the CLI says so in one line."""
+    from swarm.cli import parse_config
     from swarm.config import ConfigError, PeerConfig
-    assert PeerConfig().window_push_wait == 0.0
-    PeerConfig(window_push_wait=2.5).validate()
-    for bad in (-1.0, 5.0, 9.0):
+    assert PeerConfig().window_push_wait == -1.0 and PeerConfig().window_push_wait_s() == 2.5
+    assert PeerConfig(round_timeout=8.0).window_push_wait_s() == 1.0
+    assert PeerConfig(window_push_wait=0.0).window_push_wait_s() is None
+    assert PeerConfig(window_push_wait=1.5).window_push_wait_s() == 1.5
+    PeerConfig(window_push_wait=4.9).validate()
+    PeerConfig(round_timeout=1.0).validate()  # auto follows the timeout down
+    for bad in (-0.5, -2.0, 5.0, 9.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--window-push-wait"):
             PeerConfig(window_push_wait=bad).validate()
+    assert parse_config(["--window-push-wait", "auto"])[0].window_push_wait == -1.0
+    assert parse_config(["--window-push-wait", "0.5"])[0].window_push_wait_s() == 0.5
+    from swarm.config import from_env
+    assert from_env({"SWARM_WINDOW_PUSH_WAIT": "AUTO"}) == {"window_push_wait": -1.0}
+    with pytest.raises(ConfigError, match="SWARM_WINDOW_PUSH_WAIT"):
+        from_env({"SWARM_WINDOW_PUSH_WAIT": "soon"})
+    with pytest.raises(SystemExit):
+        parse_config(["--window-push-wait", "soon"])
+    err = capsys.readouterr().err
+    assert "--window-push-wait" in err and "auto or a number of seconds" in err and "Traceback" not in err
 
 
 class _ShutDown(_BatcherClient):

@@ -43,6 +43,7 @@ from .shard import ShardError
 from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, decode_push, decode_replays,
                    decode_replica, decode_rows, decode_rows_tagged, encode_pull, encode_push, encode_replay_reply, encode_replays,
                    encode_replica, encode_rows, roundtrip, stale_rows)
+from .arrivals import PushArrivals
 from .held import HeldRows
 
 log = logging.getLogger("swarm.tables")
@@ -329,6 +330,11 @@ class TableClient:
         (their answers' ``held_s``; 0 when none said): time its pusher spent waiting for others'
         pushes, not for its own bytes (LocalSteps times its pushes without it)."""
         return self._push_held.get(key, 0.0)
+
+    def pushed_in(self, step: int, senders: set[str]) -> float | None:
+        """When the last of ``senders`` had pushed rows of ``step`` to us as their primary (their
+        push keys' step; monotonic seconds), or None while one has not."""
+        return self.batcher.arrivals.all_in(step, senders)
 
     # -- hand-off -----------------------------------------------------------------------------
     async def fetch(self, moves: list[Move]) -> None:
@@ -628,6 +634,12 @@ class PushBatcher:
         self._held: dict[int, float] = {}
         self._task: asyncio.Task | None = None
         self._closed = False
+        # when each member's push of each recent step came in (LocalSteps.others_done_at)
+        self.arrivals = PushArrivals()
+
+    def arrived(self, key: str) -> None:
+        """A push keyed ``key`` was accepted here (queued, or acknowledged as a repeat) just now."""
+        self.arrivals.note(key, time.monotonic())
 
     async def submit(self, req: PushRequest) -> bool:
         """Apply ``req`` with the next flush; True when its replicas acknowledged it (False when
@@ -639,6 +651,7 @@ class PushBatcher:
     async def submit_timed(self, req: PushRequest) -> tuple[bool, float]:
         """submit(), and the seconds the push was held for the rest of its flush (held_for)."""
         ticket = await self.client.work(self.client.service.accept_push, req)
+        self.arrived(req.key)
         replicated = await self.wait(ticket)
         return replicated, self.held_for(ticket)
 
@@ -941,11 +954,12 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         return peer.tables.accept_push(req, sender)
 
     async def push(request: web.Request) -> web.Response:
-        ticket = await decoded_then_applied(
+        ticket, key = await decoded_then_applied(
             request, "/v1/rows/push", "push request",
             lambda body, p: decode_push(body, p.tables.by_name, MAX_IDS),
-            lambda p, req: admit(p, request, req))
+            lambda p, req: (admit(p, request, req), req.key))
         batcher = ready(request).table_client.batcher
+        batcher.arrived(key)
         try:
             replicated = await batcher.wait(ticket)
         except (Fenced, Moving, NotPrimary, ShardError) as e:
