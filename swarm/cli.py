@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import Any, Callable
 
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
@@ -64,18 +65,15 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
-def _push_lead(raw: str) -> int:
-    try:
-        return parse_push_lead(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of inner steps, got {raw!r}") from None
-
-
-def _window_push_wait(raw: str) -> float:
-    try:
-        return parse_window_push_wait(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of seconds, got {raw!r}") from None
+def _auto_or(parse: Callable[[str], Any], unit: str) -> Callable[[str], Any]:
+    """An argparse type for a flag that takes "auto" or a number of ``unit`` (config.PARSERS):
+    a bad value is one line naming what was expected, not a traceback."""
+    def read(raw: str) -> Any:
+        try:
+            return parse(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected auto or a number of {unit}, got {raw!r}") from None
+    return read
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (default 1)")
     a("--row-lookahead", type=int, help="with --sync-every > 1: pull the rows of this many inner steps ahead while "
       f"one computes (each row once a window; default {d.row_lookahead})")
-    a("--push-lead", type=_push_lead, help="with --sync-every > 1: send a window's row deltas this many inner steps "
+    a("--push-lead", type=_auto_or(parse_push_lead, "inner steps"), help="with --sync-every > 1: send a window's row deltas this many inner steps "
       "before its end, so they travel while its last steps compute; those steps' row deltas go with the next "
       "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took (not the time "
       "their primaries held them for the other peers' pushes), none where "
@@ -188,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--push-window", type=float, help="seconds a table primary gathers row pushes to apply them as one update "
       f"per row (default {d.push_window:g}); with --sync-every > 1 it flushes as soon as every contributor's "
       "push of the window is in")
-    a("--window-push-wait", type=_window_push_wait, help="with --sync-every > 1: seconds a table primary waits after "
+    a("--window-push-wait", type=_auto_or(parse_window_push_wait, "seconds"), help="with --sync-every > 1: seconds a table primary waits after "
       "a window's first row push for one from every contributor, so the window's pushes make one flush (0: "
       "--push-window; auto: --round-timeout / 8, 2.5 s by default; a number must be under --round-timeout / 4; "
       "default auto)")

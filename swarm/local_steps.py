@@ -267,8 +267,7 @@ class LocalSteps:
         others = self.peer.expected(w) - {self.peer.id}
         if not others:
             return None
-        client = self.peer.table_client
-        seen = [self.peer.pacing.completed_at(w), client.pushed_in(w, others) if client is not None else None]
+        seen = [self.peer.pacing.completed_at(w), self._pushed_in(w, others)]
         return min((t for t in seen if t is not None), default=None)
 
     def others_in(self, w: int) -> bool:
@@ -277,10 +276,13 @@ class LocalSteps:
         others = self.peer.expected(w) - {self.peer.id}
         if not others:
             return False
-        if not self.peer.book.missing(w, others):
-            return True
+        return not self.peer.book.missing(w, others) or self._pushed_in(w, others) is not None
+
+    def _pushed_in(self, w: int, others: set[str]) -> float | None:
+        """When ``others``' row pushes of window ``w`` were all in at our primary (None: not yet, or
+        we hold no tables)."""
         client = self.peer.table_client
-        return client is not None and client.pushed_in(w, others) is not None
+        return client.pushed_in(w, others) if client is not None else None
 
     def _inner(self, batch: Any, want: dict) -> Any:
         """One inner step on the window's working rows (training thread)."""
