@@ -29,7 +29,7 @@ from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
 from .core import rounds
 from .core.lifecycle import RESYNC, STOP, JoinTraining, Lifecycle, MinPeersGate, Start, State, linger_over, winding_down
 from .core.meta import PeerMeta
-from .group.comm import Comm, GroupEnv, pick_backend, pick_device
+from .group.comm import Comm, GroupEnv, GroupError, pick_backend, pick_device
 from .identity import PeerKey
 from .membership import Membership, MembershipConfig, SendSync
 from .joining import JoinError, Joining
@@ -300,14 +300,19 @@ class Peer:
         self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
         ssl_context = tls.server_context(self.key) if self.tls else None
-        if self.guard is not None:  # the guard accepts first (per-client limits: swarm/guard.py)
-            listener = await self.guard.listen(self._runner, self.cfg.host, port, ssl_context=ssl_context)
-            self._exit.push_async_callback(listener.close)
-            port = listener.port
-        else:
-            site = web.TCPSite(self._runner, self.cfg.host, port, ssl_context=ssl_context)
-            await site.start()
-            port = self._runner.addresses[0][1]
+        try:
+            if self.guard is not None:  # the guard accepts first (per-client limits: swarm/guard.py)
+                listener = await self.guard.listen(self._runner, self.cfg.host, port, ssl_context=ssl_context)
+                self._exit.push_async_callback(listener.close)
+                port = listener.port
+            else:
+                site = web.TCPSite(self._runner, self.cfg.host, port, ssl_context=ssl_context)
+                await site.start()
+                port = self._runner.addresses[0][1]
+        except OSError as e:  # say which address: a group's rank r listens on --port + r, not on --port
+            rank = f" (rank {genv.local_rank} of this host's group listens on --port + {genv.local_rank})" \
+                if genv is not None and self.cfg.port and genv.local_rank else ""
+            raise OSError(f"cannot listen on {self.cfg.host}:{port}{rank}: {e.strerror or e}") from e
         self.port = port
         if self.cfg.status_port:  # plain HTTP, loopback only: the status routes (server.authenticate)
             await web.TCPSite(self._runner, "127.0.0.1", self.cfg.status_port).start()
@@ -375,8 +380,13 @@ class Peer:
         """Learn the other ranks' ids and addresses; returns whom to join (--join, else rank 0)."""
         from .group.runner import HostGroup
 
-        ids = await self.work(comm.all_gather_text, self.id)
-        addrs = await self.work(comm.all_gather_text, self.addr)
+        try:
+            ids = await self.work(comm.all_gather_text, self.id)
+            addrs = await self.work(comm.all_gather_text, self.addr)
+        except RuntimeError as e:  # what torch.distributed raises when a rank is gone (its own error says why)
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise GroupError(f"another rank of this host's group stopped while the group formed "
+                             f"(its own error says why): {first}") from None
         if len(set(ids)) != len(ids):
             raise JoinError("two ranks of this host group have the same peer id")
         self.group = HostGroup(self, comm, ids)

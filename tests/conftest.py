@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -106,11 +107,39 @@ def _pin(fp: str):  # one object per certificate: aiohttp pools connections by i
     return aiohttp.Fingerprint(bytes.fromhex(fp))
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (for a peer that must listen on a known port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """The first of ``span`` consecutive ports free on 127.0.0.1 now, for peers that must listen on
+    known ports (a torchrun group's rank r listens on --port + r). Picked below the kernel's
+    ephemeral range, so that no outgoing connection of a test running beside this one can be
+    handed one of them as its source port before our peer binds it (CI once saw a group's rank 1
+    fail with "Address already in use" on --port + 1, which the old bind-to-0 pick never checked)."""
+    low, high = _ephemeral_range()
+    lo, hi = (10000, low - span) if low - span > 12000 else (high + 1, 65536 - span)  # hi is exclusive
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        base = rng.randrange(lo, hi)
+        held = []
+        try:
+            for port in range(base, base + span):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {span} consecutive free ports in [{lo}, {hi})")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def join_at(port: int) -> tuple[str, ...]:
@@ -138,6 +167,7 @@ class PeerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
+        self._stderr: str | None = None
 
     async def read_until(self, pattern: str, timeout: float = 60.0) -> re.Match:
         """Wait for a stdout line matching ``pattern``; returns the match."""
@@ -185,9 +215,15 @@ class PeerProcess:
         return out, None
 
     def stderr_tail(self) -> str:
+        """The end of stderr; a launcher's tail is its own traceback, so each rank's one-line
+        "peer.py: error: ..." (which may sit far above it) comes first."""
         if self.proc.poll() is None:
             return "(running)"
-        return self.proc.stderr.read()[-2000:]
+        if self._stderr is None:  # read once: the pipe is empty after
+            self._stderr = self.proc.stderr.read()
+        text = self._stderr
+        errors = [line for line in text.splitlines() if "peer.py: error:" in line] if self.group else []
+        return "\n".join([*errors, text[-2000:]])
 
     def summaries(self) -> list[dict]:
         """Every JSON summary line printed (a launcher's ranks print one each)."""

@@ -102,6 +102,28 @@ def test_bad_group_flags_are_one_line_errors():
         assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+async def test_a_rank_whose_port_is_taken_says_which_port_in_one_line(spawn):
+    """Rank r of a group listens on --port + r; when that port is taken, the rank's error names the
+    address and why, without a traceback of its own (the launcher adds its own report after it)."""
+    import socket
+
+    port = free_port(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        group = spawn("--steps", "5", "--port", str(port), "--backend", BACKEND, "--device", DEVICE,
+                      launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+        code, _ = await group.finish(120)
+    assert code != 0
+    stderr = group.stderr_tail()
+    errors = [line for line in stderr.splitlines() if "peer.py: error:" in line]
+    assert any(f"cannot listen on 127.0.0.1:{port + 1} (rank 1 of this host's group listens on --port + 1): "
+               in line for line in errors), errors
+    # rank 0, left alone in the group's first collective, says so in one line too (no traceback of a rank)
+    assert any("another rank of this host's group stopped while the group formed" in line for line in errors), errors
+    assert "[rank0]: Traceback" not in stderr and "[rank1]: Traceback" not in stderr, stderr
+
+
 # -- routing: the one cut both transports share -----------------------------------------------------
 
 class _FakeComm:
@@ -194,7 +216,7 @@ async def test_a_two_rank_group_and_a_plain_peer_train_together(spawn):
     replicas stay bit-identical."""
     steps = "30"
     common = ("--steps", steps, "--eval-every", "10", "--min-peers", "2", "--linger", "30")
-    port = free_port()  # rank r listens on port + r
+    port = free_port(2)  # rank r listens on port + r
     group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
                   env={"OMP_NUM_THREADS": "1"})
     # through rank 1, which is not the group's gossiping rank: any member is a way in (started with
@@ -311,7 +333,7 @@ async def test_a_group_trains_a_user_task_with_tables_of_two_widths(spawn):
     2-rank group plus one plain peer: one swarm, every replica bit-identical, the loss falls."""
     common = ("--task", "tests/user_task.py:two_tables", "--steps", "20", "--eval-every", "10", "--min-peers", "2",
               "--linger", "30", "--table-slots", "16")
-    port = free_port()
+    port = free_port(2)  # rank r listens on port + r
     group = spawn(*common, "--port", str(port), "--backend", BACKEND, "--device", DEVICE, launcher=torchrun(2),
                   env={"OMP_NUM_THREADS": "1"}, small=False)
     plain = spawn(*common, "--device", "cpu", *join_at(port), small=False)
@@ -333,7 +355,7 @@ async def test_a_group_waiting_for_min_peers_joins_the_plain_peer_that_trains_in
     """Issue 16's split: a 2-rank group started with --min-peers 3 (a group counts as one contributor)
     and a plain peer that joins it without the flag and starts training: the group joins that
     training instead of waiting, and all three end with one model."""
-    port = free_port()
+    port = free_port(2)  # rank r listens on port + r
     group = spawn("--steps", "20", "--min-peers", "3", "--linger", "30", "--port", str(port), "--backend", BACKEND,
                   "--device", DEVICE, launcher=torchrun(2), env={"OMP_NUM_THREADS": "1"})
     plain = spawn("--steps", "20", "--linger", "30", "--device", "cpu", *join_at(port))
