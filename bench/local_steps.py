@@ -14,6 +14,8 @@ measures what the settings do to the model and to the bytes, not time on a slow 
                     replays, control), over the samples it trained, mean over peers; replies (rows
                     served to others) are not in it (bench/wan.py counts interface bytes)
   sent_by_kind      peer 0's request bytes by kind
+  replay_waits      per peer, [pulls that waited for a replay to reach its replica copy, seconds
+                    they waited] (docs/design.md, "When a primary answers a push")
 
     python3 bench/local_steps.py "" "--sync-every 32 --compression topk-int2 --ratio 0.02 --ef-decay 0.95"
 """
@@ -49,7 +51,10 @@ def run(extra: list[str], a) -> dict:
     mean = lambda k: sum(s[k] for s in summaries) / len(summaries)  # noqa: E731
     return {"config": " ".join(extra), "val_loss": round(mean("val_loss"), 4), "final_loss": round(mean("final_loss"), 4),
             "bytes_per_sample": round(mean("bytes_per_sample")), "wall_s": round(time.time() - t0, 1),
-            "rounds_timed_out": [s["rounds_timed_out"] for s in summaries], "sent_by_kind": summaries[0]["sent_by_kind"]}
+            "rounds_timed_out": [s["rounds_timed_out"] for s in summaries], "sent_by_kind": summaries[0]["sent_by_kind"],
+            # per peer: pulls that waited for a replay before reading its replica copy, seconds waited
+            "replay_waits": [[(s.get("rows") or {}).get("replay_waits"), (s.get("rows") or {}).get("replay_wait_s")]
+                             for s in summaries]}
 
 
 def main() -> int:

@@ -623,3 +623,71 @@ def test_a_catch_up_never_rolls_back_a_row_a_newer_replay_reached():
     assert int(other["step"][0]) == int(mine["step"][0]) == 2 and int(stale["step"][0]) == 1
     svcs[replica].apply_replica("ngram", other, m.view, "c:3", "catch-up")
     assert all(torch.equal(v, rep.read_state(rp.ids[2:3])[k]) for k, v in mine.items())
+
+
+def test_replays_due_wait_for_the_named_replay_and_let_one_that_overtook_its_answer_pass():
+    """ReplaysDue: one key per primary, the newest; a replay that landed before the answer naming
+    it came is not waited for; a key that does not name its primary (or is not a short string) is
+    ignored; a wait given up on is counted and not repeated."""
+    from swarm.tables.replays_due import MAX_KEY, ReplaysDue
+    r = ReplaysDue(keep_landed=2)
+    r.expect("pa", "pa.1234/flush:3")
+    r.expect("pb", "pb.99/flush:0")
+    assert r.due({"pa", "pb", "pc"}) == {"pa", "pb"}
+    r.expect("pa", "pa.1234/flush:4")  # a later flush's replay implies the earlier ones' (in order)
+    r.landed("pa.1234/flush:3")
+    assert r.due({"pa"}) == {"pa"}
+    r.landed("pa.1234/flush:4")
+    assert r.due({"pa", "pb"}) == {"pb"}
+    r.landed("pc.5/flush:7")  # overtook its answer
+    r.expect("pc", "pc.5/flush:7")
+    assert r.due({"pc"}) == set()
+    for bad in ("pb.99/flush:1".replace("pb", "px"), "", "pa" + "x" * MAX_KEY, 7, None, ["pa.1/flush:1"], "pa"):
+        r.expect("pa", bad)
+    assert r.due({"pa"}) == set()
+    r.give_up({"pb", "pa"})
+    assert r.due({"pb"}) == set() and r.given_up == 1
+    for i in range(3):  # only the last ``keep_landed`` landed keys are kept
+        r.landed(f"pd.1/flush:{i}")
+    r.expect("pd", "pd.1/flush:0")
+    assert r.due({"pd"}) == {"pd"}
+
+
+async def test_a_push_answered_when_applied_names_its_flush_replay_to_a_replica_pusher_only():
+    """PushBatcher.replay_for: with --push-ack applied the answer goes before the replays, so it
+    names the flush's replay key to a pusher that is one of its replicas (its pulls wait for it);
+    not to a pusher that gets no replay of it, and never when the answer waits for the replicas."""
+    svcs = services()
+    m = svcs["p-a"].map
+    prim, replica = m.owners("ngram", 0)  # one slot's rows: one replica gets the flush's replay
+    other = next(p for p in svcs if p not in (prim, replica))
+    sub = np.arange(*m.slot_rows("ngram", 0))
+
+    class Client(_BatcherClient):
+        owed: list = []
+
+        def addr_of(self, peer):
+            return None  # replays cannot be delivered here: owed instead
+
+        def owe(self, *a):
+            self.owed.append(a)
+
+    for applied in (True, False):
+        svc = TableService(prim, SPECS, replicas=2, slots=32)
+        svc.set_members(list(svcs), now=0.0)
+        for mv in list(svc.moving.values()):
+            svc.moving.pop((mv.table, mv.slot))
+            svc.shards[mv.table].create_slot(mv.slot)
+        batcher = PushBatcher(Client(svc), window=0.05, ack_when_applied=applied)
+        ticket = svc.accept_push(_push(m, sub, f"{replica}:1", torch.full((len(sub), 8), 0.1)))
+        await batcher.wait(ticket)
+        key = batcher.replay_for(ticket, replica)
+        if applied:
+            assert key == f"{prim}.{svc.nonce}/flush:0"
+            assert batcher.replay_for(ticket, replica) is None  # read once
+        else:
+            assert key is None
+        ticket = svc.accept_push(_push(m, sub, f"{other}:1", torch.full((len(sub), 8), 0.1)))
+        await batcher.wait(ticket)
+        assert batcher.replay_for(ticket, other) is None
+        batcher.close()

@@ -388,3 +388,63 @@ async def test_a_pull_that_offers_its_held_rows_gets_only_the_changed_ones_and_t
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_a_pull_waits_for_the_replay_its_push_answer_named_before_reading_its_replica_copy(monkeypatch):
+    """Read-your-writes for replica rows (--push-ack applied: local steps): b pushes rows whose
+    primary is a and of which b holds the replica; a answers once the flush is applied, naming its
+    replay, and replicates after. A pull of those rows by b, which reads its own replica copy, waits
+    for that replay and so sees its own push, as a pull from the primary would; a replay that
+    never comes holds a pull REPLAY_WAIT_S once, not every pull after."""
+    import swarm.tables.http as tables_http
+    from swarm.transport import PeerUnreachable
+
+    monkeypatch.setattr(tables_http, "REPLAY_WAIT_S", 1.0)
+    peers = await start_peers(2, replicas=2, row_dtype="fp32", push_ack="applied")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        a, b = peers
+        mine = a.tables.map.plan("ngram", np.arange(a.cfg.table_rows))[a.id][:300]  # a primary, b replica
+        release = asyncio.Event()
+        state = {"drop": False}
+        real = a.transport.request
+
+        async def held_back(method, url, **kw):
+            if url.endswith("/v1/rows/replay"):
+                if state["drop"]:
+                    raise PeerUnreachable(url, "dropped by the test")
+                await release.wait()
+            if url.endswith("/v1/rows/replica") and state["drop"]:
+                raise PeerUnreachable(url, "dropped by the test")  # no catch-up either
+            return await real(method, url, **kw)
+
+        a.transport.request = held_back
+        rng = np.random.default_rng(5)
+        g = torch.from_numpy(rng.standard_normal((len(mine), 128)).astype(np.float32)) * 0.01
+        assert await b.table_client.push({"ngram": (mine, g)}, key=f"{b.id}:1")  # answered, not replicated
+        assert b.table_client.replays.due({a.id}) == {a.id}
+        pull = asyncio.ensure_future(b.table_client.pull({"ngram": mine}))
+        await asyncio.sleep(0.3)
+        assert not pull.done(), "the pull read the replica copy before the replay it was told of"
+        release.set()
+        rows, missing = await asyncio.wait_for(pull, 10)
+        assert not len(missing.get("ngram", ()))
+        primary = a.tables.shards["ngram"].read(mine)
+        assert torch.equal(rows["ngram"], primary), "b's pull did not see its own push"
+        st = b.table_client.status()
+        assert st["replay_waits"] == 1 and st["replays_given_up"] == 0 and 0.2 < st["replay_wait_s"] < 5
+        assert st["rows_read_local"] >= len(mine)  # read from b's own copy, not pulled from a
+
+        state["drop"] = True  # the next flush's replay to b never lands
+        assert await b.table_client.push({"ngram": (mine, g)}, key=f"{b.id}:2")
+        t0 = time.monotonic()
+        await b.table_client.pull({"ngram": mine})
+        assert time.monotonic() - t0 >= 0.9  # waited out REPLAY_WAIT_S, then read its copy
+        t0 = time.monotonic()
+        await b.table_client.pull({"ngram": mine})
+        assert time.monotonic() - t0 < 0.5  # given up on: the next pull does not wait again
+        st = b.table_client.status()
+        assert st["replay_waits"] == 2 and st["replays_given_up"] == 1
+    finally:
+        for p in peers:
+            await p.close()

@@ -45,6 +45,7 @@ from .formats import (PullRequest, PushRequest, Replay, WireError, decode_pull, 
                    encode_replica, encode_rows, roundtrip, stale_rows)
 from .arrivals import PushArrivals
 from .held import HeldRows
+from .replays_due import ReplaysDue
 
 log = logging.getLogger("swarm.tables")
 Work = Callable[..., Awaitable]
@@ -52,6 +53,10 @@ MAX_IDS = 1 << 22  # ids in one pull or push request
 SLOTS_PER_REQUEST = 64
 CATCH_UP_ROWS = 2048  # rows per catch-up request (~3 MB of Adam state at dim 128: seconds on a slow link)
 CATCH_UP_FIRST_S, CATCH_UP_MAX_S = 0.5, 10.0  # a catch-up round's wait: doubles while none lands
+# the longest a pull waits for a replay it was told of before it reads our (older) copy: a flush's
+# replays take ~0.1-0.3 s at 1 MB/s; one that has not come by then is late for a reason (a primary
+# dead or moving, a replay refused) that waiting will not cure
+REPLAY_WAIT_S = 2.0
 
 
 @dataclass
@@ -70,6 +75,9 @@ class RowStats:
     # with local steps, flushes that went without a push from every contributor (the wait for a
     # window's pushes ran out: one touched none of our rows, or was slow, dead or banned)
     flushes_partial: int = 0
+    # pulls that waited for a replay before reading our replica copy, and the seconds they waited
+    replay_waits: int = 0
+    replay_wait_s: float = 0.0
     latency_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))
 
     def percentiles(self) -> dict[str, float | None]:
@@ -130,6 +138,10 @@ class TableClient:
         # replica rows whose replay did not land, and the task that catches them up (tables/owed.py)
         self.owed = OwedRows()
         self._catching_up: asyncio.Task | None = None
+        # replays our push answers said are coming to us as a replica; pulls wait for them before
+        # they read our copy of those primaries' slots (tables/replays_due.py), REPLAY_WAIT_S at most
+        self.replays = ReplaysDue()
+        self._replay_in = asyncio.Event()  # set and renewed each time a replay lands
 
     # -- pull ---------------------------------------------------------------------------------
     def use_held(self, cap: int) -> None:
@@ -152,6 +164,7 @@ class TableClient:
         # what is left to fetch, as positions into want[table] (ascending)
         todo = {t: np.arange(len(ids)) for t, ids in want.items() if len(ids)}
         unreachable: set[str] = set()
+        await self._replays_for(want)
         attempt = 0
         while todo:
             omap = self.service.map
@@ -190,6 +203,41 @@ class TableClient:
         self.stats.rows_missing += sum(len(v) for v in missing.values())
         self.stats.latency_ms.append((time.monotonic() - t0) * 1000)
         return rows, missing
+
+    def replay_landed(self, key: str) -> None:
+        """A primary's replay keyed ``key`` was applied to our replica rows (the replay route)."""
+        self.replays.landed(key)
+        self._replay_in.set()
+        self._replay_in = asyncio.Event()
+
+    async def _replays_for(self, want: dict[str, np.ndarray]) -> None:
+        """Read-your-writes for replica rows: before a pull reads our copy of slots whose primary
+        said a replay of its last flush is coming to us (the flush that applied our push), wait
+        for it, REPLAY_WAIT_S at most; then read whatever our copy holds (tables/replays_due.py)."""
+        omap = self.service.map
+        if omap is None or not self.replays.due(set(omap.members)):
+            return
+        me = omap.index.get(self.self_id)
+        primaries: set[str] = set()
+        for table, ids in want.items():
+            if len(ids) and me is not None:
+                om = omap.owner_matrix(table)[omap.slot_of(table, ids)]
+                held = (om[:, 1:] == me).any(axis=1)  # our replica rows among them
+                primaries.update(omap.members[i] for i in np.unique(om[held, 0]).tolist())
+        waiting = self.replays.due(primaries - self.down())
+        if not waiting:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + REPLAY_WAIT_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self._replay_in.wait(), left)
+            except asyncio.TimeoutError:
+                break
+            waiting = self.replays.due(waiting)
+        self.replays.give_up(waiting)
+        self.stats.replay_waits += 1
+        self.stats.replay_wait_s += time.monotonic() - t0
 
     async def _again(self, t0: float, attempt: int) -> bool:
         """Whether a pull or push with parts left (begun at ``t0``) tries again: not past ``timeout``;
@@ -316,7 +364,9 @@ class TableClient:
                                                  content_type="application/octet-stream", kind="rows", reply_kind="rows")
         except PeerUnreachable as e:
             return None if e.code == "banned" else False
-        self._note_held(req.key, held_seconds(reply))
+        held, replay = push_answer(reply)
+        self._note_held(req.key, held)
+        self.replays.expect(peer, replay)
         return True
 
     def _note_held(self, key: str, held: float) -> None:
@@ -582,6 +632,10 @@ class TableClient:
                 "rows_owed": self.owed.by_peer(), "rows_caught_up": s.rows_caught_up,
                 # as a primary with local steps: flushes that went without every contributor's push
                 "flushes_partial": s.flushes_partial,
+                # as a replica: pulls that waited for a replay a push answer named, the seconds they
+                # waited in all, and replays that had not come by REPLAY_WAIT_S (read-your-writes)
+                "replay_waits": s.replay_waits, "replay_wait_s": round(s.replay_wait_s, 3),
+                "replays_given_up": self.replays.given_up,
                 # per sender of the pushes this primary combined: score, outlier flushes, bans, refusals
                 "push_scores": self.scores.status(time.monotonic(), time.time() - time.monotonic())}
 
@@ -632,6 +686,8 @@ class PushBatcher:
         # of its flush (the window's other pushes), seconds: held_for
         self._since: dict[int, float] = {}
         self._held: dict[int, float] = {}
+        # per answered ticket: its flush's replay key and the replicas it goes to (replay_for)
+        self._replays: dict[int, tuple[str, frozenset[str]]] = {}
         self._task: asyncio.Task | None = None
         self._closed = False
         # when each member's push of each recent step came in (LocalSteps.others_done_at)
@@ -676,6 +732,13 @@ class PushBatcher:
         if err is not None:
             raise err
         return replicated
+
+    def replay_for(self, ticket: int | None, sender: str) -> str | None:
+        """The replay key of the flush that applied push ``ticket`` when ``sender`` is one of the
+        replicas it goes to (read once; None otherwise): the pusher then waits for that replay
+        before it reads its own copy of our slots (tables/replays_due.py)."""
+        got = self._replays.pop(ticket, None) if ticket is not None else None
+        return got[0] if got is not None and sender in got[1] else None
 
     def held_for(self, ticket: int | None) -> float:
         """Seconds the answered push ``ticket`` waited for the rest of its flush (0 for a repeat, or
@@ -732,25 +795,32 @@ class PushBatcher:
             observe = getattr(self.client, "observe", None)
             if verdicts and observe is not None:
                 observe(verdicts)
+            replays = _replay_of(forward)
             if self.ack_when_applied:  # answered now; replicated below, before the next flush
-                self._answer(outcome, False, gathered)
+                self._answer(outcome, False, gathered, replays)
             try:
                 replicated = await replicate(self.client, forward)
             except Exception:  # a bug, not a refusal: the flush is applied here, so answer (unreplicated)
                 log.exception("replicating a flush failed")
                 replicated = False
-            if not self.ack_when_applied:
+            if not self.ack_when_applied:  # the replays have landed or failed: none to name
                 self._answer(outcome, replicated, gathered)
 
-    def _answer(self, outcome: dict[int, Exception | None], replicated: bool, gathered: float) -> None:
+    def _answer(self, outcome: dict[int, Exception | None], replicated: bool, gathered: float,
+                replays: tuple[str, frozenset[str]] | None = None) -> None:
         """Resolve the waiters of a flush's tickets (refusal or None; whether replicated); each
-        waited ``gathered`` (when the flush stopped gathering) less when it came."""
+        waited ``gathered`` (when the flush stopped gathering) less when it came; ``replays``: the
+        flush's replay key and its replicas (replay_for)."""
         for ticket, err in outcome.items():
             since = self._since.pop(ticket, None)
             if since is not None:
                 self._held[ticket] = max(0.0, gathered - since)
                 while len(self._held) > 1024:
                     self._held.pop(next(iter(self._held)))
+            if replays is not None and err is None:
+                self._replays[ticket] = replays
+                while len(self._replays) > 1024:
+                    self._replays.pop(next(iter(self._replays)))
             fut = self._waiting.pop(ticket, None)
             if fut is None:  # its submitter has not registered yet (or was cancelled meanwhile)
                 self._done[ticket] = (err, replicated)
@@ -774,6 +844,14 @@ class PushBatcher:
         if self._task is not None:
             self._task.cancel()
         self._refuse_waiting()
+
+
+def _replay_of(forward: dict[str, list[Replay]]) -> tuple[str, frozenset[str]] | None:
+    """A flush's replay key and the replicas its replays go to (None: it has none)."""
+    for rps in forward.values():
+        if rps:
+            return rps[0].key, frozenset(forward)
+    return None
 
 
 async def replicate(client: "TableClient", forward: dict[str, list[Replay]]) -> bool:
@@ -843,15 +921,22 @@ async def digests_in_pieces(work: Work, fn: Callable, table: str, slots: list[in
     return out
 
 
-def held_seconds(reply: bytes) -> float:
-    """A push answer's ``held_s`` (seconds the primary held the push for the rest of its flush),
-    0.0 when the answer has none or an unusable one: it only tunes the pusher's --push-lead."""
+def push_answer(reply: bytes) -> tuple[float, object]:
+    """A push answer's ``held_s`` (seconds the primary held the push for the rest of its flush; 0.0
+    when it has none or an unusable one: it only tunes the pusher's --push-lead) and its ``replay``
+    (the flush's replay key when it comes to us too; ReplaysDue.expect checks it)."""
     try:
-        held = json.loads(reply).get("held_s", 0.0)
+        answer = json.loads(reply)
+        held, replay = answer.get("held_s", 0.0), answer.get("replay")
     except (ValueError, AttributeError):
-        return 0.0
+        return 0.0, None
     ok = isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) and 0 <= held <= 3600
-    return float(held) if ok else 0.0
+    return (float(held) if ok else 0.0), replay
+
+
+def held_seconds(reply: bytes) -> float:
+    """A push answer's ``held_s`` alone (push_answer)."""
+    return push_answer(reply)[0]
 
 
 def exact_dtype(g: torch.Tensor) -> str:
@@ -964,8 +1049,12 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
             replicated = await batcher.wait(ticket)
         except (Fenced, Moving, NotPrimary, ShardError) as e:
             raise _service_errors(e) from None
-        return web.json_response({"applied": True, "replicated": replicated,
-                                  "held_s": round(batcher.held_for(ticket), 3)})
+        answer = {"applied": True, "replicated": replicated, "held_s": round(batcher.held_for(ticket), 3)}
+        # the flush's replay, when it goes to the pusher too: its pulls wait for it (tables/replays_due.py)
+        replay = batcher.replay_for(ticket, request[SENDER])
+        if replay is not None:
+            answer["replay"] = replay
+        return web.json_response(answer)
 
     async def replica(request: web.Request) -> web.Response:
         fresh = await decoded_then_applied(
@@ -975,10 +1064,13 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         return web.json_response({"applied": fresh})
 
     async def replay(request: web.Request) -> web.Response:
-        outcome = await decoded_then_applied(
+        outcome, keys = await decoded_then_applied(
             request, "/v1/rows/replay", "replay",
             lambda body, p: decode_replays(body, p.tables.by_name, MAX_IDS),
-            lambda p, rps: p.tables.apply_replays(rps))
+            lambda p, rps: (p.tables.apply_replays(rps), {rp.key for rp in rps}))
+        client = ready(request).table_client
+        for key in keys:  # pulls waiting for this replay read our copy now
+            client.replay_landed(key)
         return web.json_response(encode_replay_reply(outcome.applied, outcome.stale))
 
     async def slots(request: web.Request) -> web.Response:
