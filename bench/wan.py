@@ -1105,6 +1105,9 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
            "sync_every": [s.get("sync_every") for s in summaries],
            "push_lead": [s.get("push_lead") for s in summaries],  # inner steps the row pushes led by (--push-lead)
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
+           # per peer: [pulls that waited for a replay to reach its replica copy, seconds they waited]
+           "replay_waits": [[(s.get("rows") or {}).get("replay_waits"), (s.get("rows") or {}).get("replay_wait_s")]
+                            for s in summaries],
            "step_phases_ms": mean_phases([s.get("step_phases") or {} for s in summaries]),
            "sent_by_kind": mean_by_kind([s.get("sent_by_kind") or {} for s in summaries]),
            "received_by_kind": mean_by_kind([s.get("received_by_kind") or {} for s in summaries]),
@@ -1638,6 +1641,8 @@ def main() -> int:
                          if res.get("eval_s_left_out") else ""), flush=True)
                 if res.get("step_phases_ms"):
                     print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
+                if res.get("replay_waits"):
+                    print(f"  replay waits per peer [pulls, s]: {res['replay_waits']}", flush=True)
                 if a.slow_peer is not None and "samples_by_peer" in res:
                     print(f"  fast peers' wait share {_f(res.get('fast_peer_wait_share'), 3)}; slow peer "
                           f"{res.get('slow_peer_id')}: samples {res.get('slow_peer_samples')} (all: "
