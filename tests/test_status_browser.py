@@ -116,6 +116,12 @@ async def test_page_of_a_three_peer_swarm_shows_peers_and_loss_chart_live(tmp_pa
             assert "ngram" in tables and "value" in tables
             assert all(p.id[:8] in tables for p in peers)
             assert (await page.text_content("#pull")).startswith("p50 ")
+            assert (await page.text_content("#row-health")).startswith("Rows: ")
+            # where the step goes: one bar segment per phase that took time, compute among them
+            await page.wait_for_selector("#phases .phase-bar div", timeout=15_000)
+            phases = await page.eval_on_selector_all("#phases [data-phase]", "ss => ss.map(s => s.dataset.phase)")
+            assert "compute" in phases and set(phases) <= {"rows", "compute", "send", "held", "round", "apply", "after"}
+            assert "% waiting on other peers" in await page.text_content("#phases-hint")
             # every card's line is whole, none cut at this width (the wire card's bytes per sample)
             cut = await page.eval_on_selector_all(".card .sub, .card .value", "es => es.filter(e => "
                                                   "e.scrollWidth > e.clientWidth + 1).map(e => e.id)")
@@ -169,6 +175,14 @@ def fake_status(n: int) -> dict:
                    "handoffs": [{"table": "tok", "first_slot": 0, "last_slot": per - 1, "from": ids[0], "to": ids[1],
                                  "progress": 0.5}]},
         "pull_latency_ms": {"p50": 3.2, "p95": 11.7},
+        "step_phases": {"steps": 512, "rows": {"median_ms": 8.0, "mean_ms": 9.4},
+                        "compute": {"median_ms": 228.0, "mean_ms": 230.1}, "send": {"median_ms": 0.5, "mean_ms": 11.0},
+                        "held": {"median_ms": 0.0, "mean_ms": 24.0}, "round": {"median_ms": 0.0, "mean_ms": 9.6},
+                        "apply": {"median_ms": 0.0, "mean_ms": 0.0}, "after": {"median_ms": 0.3, "mean_ms": 9.6},
+                        "wait_share": 0.147},
+        "rows": {"pulls": 1200, "rows_pulled_remote": 250000, "rows_read_local": 90000, "rows_missing": 0,
+                 "push_failures": 2, "retries": 0, "rows_owed": {ids[3]: 40, ids[4]: 2}, "flushes_partial": 1,
+                 "replay_waits": 3, "replay_wait_s": 0.734, "replays_given_up": 0},
     }
 
 
@@ -193,6 +207,16 @@ async def test_page_stays_usable_with_fifty_peers_and_draws_the_ownership_map(tm
             assert await page.eval_on_selector_all(".own-bar div.moving", "ds => ds.length") == 1
             assert "Hand-offs under way: 1" in await page.text_content("#tables")
             assert await page.text_content("#pull") == "p50 3.2 ms · p95 11.7 ms"
+            assert await page.text_content("#row-health") == (
+                "Rows: 1,200 pulls · 90,000 rows read here, 250,000 pulled · push failures 2 · rows owed to "
+                "replicas 42 · partial flushes 1 · waits for a replay 3 (0.7 s)")
+            # the step's phases: those that took time (apply took none here), in order, with the wait share
+            phases = await page.eval_on_selector_all("#phases [data-phase]", "ss => ss.map(s => s.dataset.phase)")
+            assert phases == ["rows", "compute", "send", "held", "round", "after"]
+            assert await page.eval_on_selector_all("#phases .phase-bar div", "ds => ds.length") == 6
+            assert await page.text_content("#phases-hint") == ("mean of its last 512 steps: 294 ms a step · 15% "
+                                                               "waiting on other peers (rows, held, round)")
+            assert "held for others' pushes 24.0 ms" in await page.text_content("#phases")
             assert await page.text_content("#c-peers") == "48"
             # a swarm in windows of local steps says so, and what it sends per sample
             assert "windows of 4 inner steps, overlapped (inner step 2,002)" in await page.text_content("#c-step-sub")

@@ -248,7 +248,10 @@ function render(s) {
   const pl = s.pull_latency_ms;
   $("pull").textContent = pl ? `p50 ${fmt(pl.p50, 1)} ms · p95 ${fmt(pl.p95, 1)} ms` : "not enabled";
 
+  $("row-health").textContent = rowHealth(s.rows);
+
   renderCharts(s);
+  renderPhases(s.step_phases);
   renderPeers(s, members);
   renderSettings(s);
   renderTables(s.tables);
@@ -324,6 +327,58 @@ function renderSettings(s) {
   $("settings-hint").textContent = "agreed at join: every peer trains with these" +
     (s.sketch_step != null ? ` · replicas compared at step ${fmtInt(s.sketch_step)}` : "") +
     (n ? ` · re-synced ${r.diverged || 0}× (diverged), ${r.lag || 0}× (behind)` : "");
+}
+
+// the step phases of swarm/steptimes.py, in order; waits on other peers are warm colours
+const PHASES = [
+  ["rows", "waiting for rows", "#e8833a"],
+  ["compute", "compute", "#2f6fde"],
+  ["send", "send", "#8fb3ee"],
+  ["held", "held for others' pushes", "#d64545"],
+  ["round", "waiting for the round", "#f0b429"],
+  ["apply", "apply", "#1f9d55"],
+  ["after", "status, evaluation", "#b6bdca"],
+];
+
+function renderPhases(sp) {
+  const box = $("phases");
+  if (!sp || !sp.steps) {
+    box.replaceChildren(el("p", { class: "empty", text: "no step timed yet" }));
+    $("phases-hint").textContent = "";
+    return;
+  }
+  const shown = PHASES.filter(([k]) => sp[k] && sp[k].mean_ms > 0);
+  const total = shown.reduce((a, [k]) => a + sp[k].mean_ms, 0);
+  $("phases-hint").textContent = `mean of its last ${fmtInt(sp.steps)} steps: ${fmt(total, 0)} ms a step` +
+    (sp.wait_share != null ? ` · ${Math.round(100 * sp.wait_share)}% waiting on other peers (rows, held, round)` : "");
+  const bar = el("div", { class: "phase-bar" });
+  const legend = el("div", { class: "legend" });
+  for (const [k, label, colour] of shown) {
+    const ms = sp[k].mean_ms;
+    const pct = total > 0 ? Math.round((100 * ms) / total) : 0;
+    bar.append(el("div", { style: `flex:${ms} 0 0;background-color:${colour}`,
+      title: `${label}: ${fmt(ms, 1)} ms mean, ${fmt(sp[k].median_ms, 1)} ms median (${pct}%)` }));
+    legend.append(el("span", { class: "mono", "data-phase": k }, el("span", { class: "swatch", style: `background:${colour}` }),
+      `${label} ${fmt(ms, 1)} ms`));
+  }
+  box.replaceChildren(bar, legend);
+}
+
+// the rows' trouble counters of /api/status "rows" (TableClient.status): only those that are not zero
+function rowHealth(r) {
+  if (!r) return "";
+  const owed = Object.values(r.rows_owed || {}).reduce((a, n) => a + n, 0);
+  const parts = [
+    [r.rows_missing, "rows missing (zeros used)"],
+    [r.push_failures, "push failures"],
+    [r.retries, "retries"],
+    [owed, "rows owed to replicas"],
+    [r.flushes_partial, "partial flushes"],
+    [r.replay_waits, "waits for a replay", ` (${fmt(r.replay_wait_s, 1)} s)`],
+    [r.replays_given_up, "replays given up on"],
+  ].filter(([n]) => n > 0).map(([n, what, more]) => `${what} ${fmtInt(n)}${more || ""}`);
+  return `Rows: ${fmtInt(r.pulls)} pulls · ${fmtInt(r.rows_read_local)} rows read here, ${fmtInt(r.rows_pulled_remote)} pulled` +
+    (parts.length ? " · " + parts.join(" · ") : " · no trouble");
 }
 
 function renderTables(t) {
