@@ -219,6 +219,11 @@ async def test_metrics_are_prometheus_text_from_a_registry_per_peer(pair):
         members = {s.labels["state"]: s.value for s in f["swarm_members"].samples}
         assert members["alive"] == 2
         assert f["swarm_compression_ratio"].samples[0].value > 10
+        # where its steps go: every phase, in seconds, and the share spent waiting on the other
+        phases = {s.labels["phase"]: s.value for s in f["swarm_step_phase_seconds"].samples}
+        assert set(phases) == {"rows", "compute", "send", "held", "round", "apply", "after"}
+        assert phases["compute"] > 0 and all(v >= 0 for v in phases.values())
+        assert 0 <= f["swarm_step_wait_share"].samples[0].value <= 1
     # the global registry is untouched
     from prometheus_client import REGISTRY, generate_latest
     assert b"swarm_step" not in generate_latest(REGISTRY)

@@ -171,6 +171,17 @@ class PeerCollector(Collector):
         if prog.wire_bytes:
             yield _gauge("swarm_compression_ratio", "Dense fp32 bytes per payload byte, since start.",
                          prog.dense_equiv / prog.wire_bytes)
+        phases = p.step_times.report()
+        if phases.get("steps"):
+            ms = GaugeMetricFamily("swarm_step_phase_seconds", "Mean seconds of this peer's last steps (up to 512) "
+                                   "spent in each phase (docs/protocol.md, step_phases).", labels=["phase"])
+            for name, v in phases.items():
+                if isinstance(v, dict):
+                    ms.add_metric([name], v["mean_ms"] / 1000)
+            yield ms
+            if phases.get("wait_share") is not None:
+                yield _gauge("swarm_step_wait_share", "Share of this peer's mean step spent waiting on other peers "
+                             "(the rows, held and round phases).", phases["wait_share"])
         stats = vars(p.book.stats)
         payloads = CounterMetricFamily("swarm_payloads", "Payloads filed in the round book, by verdict.",
                                        labels=["verdict"])
