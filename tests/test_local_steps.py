@@ -319,16 +319,19 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     finally:
         for p in (a, b, c):
             await p.close()
+    # what each peer said, for a failure's message (a rare failure here once gave no clue)
+    said = [{k: r.get(k) for k in ("steps", "rounds", "steps_contributed", "rounds_timed_out", "first_loss",
+                                   "val_loss", "resyncs", "rows")} for r in results]
     for r in results:
-        assert r["steps"] == 24 and r["rounds"] == 6 and r["sync_every"] == 4
-        assert r["steps_contributed"] == 24 and r["rounds_timed_out"] == 0
-        assert r["val_loss"] < r["first_loss"] - 1.0
-        assert r["resyncs"] == {}  # the sketches, compared every 2 rounds, never differed
+        assert r["steps"] == 24 and r["rounds"] == 6 and r["sync_every"] == 4, said
+        assert r["steps_contributed"] == 24 and r["rounds_timed_out"] == 0, said
+        assert r["val_loss"] < r["first_loss"] - 1.0, said
+        assert r["resyncs"] == {}, said  # the sketches, compared every 2 rounds, never differed
         assert r["bytes_per_sample"] > 0
-    assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"]
+    assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"], said
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert torch.equal(a.replica.global_flat, c.replica.global_flat)
-    assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=5e-4)
+    assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=5e-4), said
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
 
 
