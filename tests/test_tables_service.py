@@ -635,6 +635,7 @@ def test_replays_due_wait_for_the_named_replay_and_let_one_that_overtook_its_ans
     r.expect("pb", "pb.99/flush:0")
     assert r.due({"pa", "pb", "pc"}) == {"pa", "pb"}
     r.expect("pa", "pa.1234/flush:4")  # a later flush's replay implies the earlier ones' (in order)
+    r.expect("pa", "pa.1234/flush:2")  # an answer that came late: flush 4's replay is still the one waited for
     r.landed("pa.1234/flush:3")
     assert r.due({"pa"}) == {"pa"}
     r.landed("pa.1234/flush:4")
@@ -651,6 +652,10 @@ def test_replays_due_wait_for_the_named_replay_and_let_one_that_overtook_its_ans
         r.landed(f"pd.1/flush:{i}")
     r.expect("pd", "pd.1/flush:0")
     assert r.due({"pd"}) == {"pd"}
+    r.expect("pe", "pe.1/flush:5")
+    r.expect("pe", "pe.2/flush:0")  # the primary restarted (a new nonce): its new run's flush is the one
+    r.landed("pe.2/flush:0")
+    assert r.due({"pe"}) == set()
 
 
 async def test_a_push_answered_when_applied_names_its_flush_replay_to_a_replica_pusher_only():

@@ -38,8 +38,9 @@ class ReplaysDue:
         is ignored: only that primary's own replays could ever satisfy it."""
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.startswith(primary + "."):
             return
-        if key not in self._landed:
-            self._due[primary] = key
+        if key in self._landed or _older(key, self._due.get(primary)):
+            return  # landed already, or an answer that came after a later flush's: that one is waited for
+        self._due[primary] = key
 
     def landed(self, key: str) -> None:
         """A replay message keyed ``key`` was applied here (or was a repeat of one that was)."""
@@ -61,3 +62,12 @@ class ReplaysDue:
         for p in primaries:
             if self._due.pop(p, None) is not None:
                 self.given_up += 1
+
+
+def _older(key: str, than: str | None) -> bool:
+    """``key`` names an earlier flush of the same primary run than ``than`` ("<primary>.<nonce>/flush:<n>")."""
+    if than is None:
+        return False
+    run, _, n = key.rpartition("/flush:")
+    run2, _, n2 = than.rpartition("/flush:")
+    return run == run2 and n.isdigit() and n2.isdigit() and int(n) < int(n2)
