@@ -432,17 +432,15 @@ async def test_a_pull_waits_for_the_replay_its_push_answer_named_before_reading_
         primary = a.tables.shards["ngram"].read(mine)
         assert torch.equal(rows["ngram"], primary), "b's pull did not see its own push"
         st = b.table_client.status()
-        assert st["replay_waits"] == 1 and st["replays_given_up"] == 0 and 0.2 < st["replay_wait_s"] < 5
+        assert st["replay_waits"] == 1 and st["replays_given_up"] == 0 and st["replay_wait_s"] >= 0.25
         assert st["rows_read_local"] >= len(mine)  # read from b's own copy, not pulled from a
 
         state["drop"] = True  # the next flush's replay to b never lands
         assert await b.table_client.push({"ngram": (mine, g)}, key=f"{b.id}:2")
-        t0 = time.monotonic()
-        await b.table_client.pull({"ngram": mine})
-        assert time.monotonic() - t0 >= 0.9  # waited out REPLAY_WAIT_S, then read its copy
-        t0 = time.monotonic()
-        await b.table_client.pull({"ngram": mine})
-        assert time.monotonic() - t0 < 0.5  # given up on: the next pull does not wait again
+        await b.table_client.pull({"ngram": mine})  # waits out REPLAY_WAIT_S, then reads its copy
+        st = b.table_client.status()
+        assert st["replay_waits"] == 2 and st["replays_given_up"] == 1 and st["replay_wait_s"] >= 0.25 + 1.0
+        await b.table_client.pull({"ngram": mine})  # given up on: the next pull does not wait again
         st = b.table_client.status()
         assert st["replay_waits"] == 2 and st["replays_given_up"] == 1
     finally:
