@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.tables import TableSpec
-from swarm.tables.http import PushBatcher, RowStats, held_seconds
+from swarm.tables.http import PushBatcher, RowStats, push_answer
 from swarm.tables.service import FRESH, Fenced, Moving, NotPrimary, TableService
 from swarm.tables.formats import (PullRequest, PushRequest, Replay, WireError, decode_replays, encode_replay_reply,
                                  stale_rows)
@@ -462,10 +462,11 @@ def test_push_arrivals_say_when_the_last_of_a_steps_pushers_came_in():
 
 
 def test_a_push_answer_says_how_long_it_was_held_and_a_bad_one_counts_as_none():
-    assert held_seconds(b'{"applied": true, "replicated": false, "held_s": 1.25}') == 1.25
+    assert push_answer(b'{"applied": true, "replicated": false, "held_s": 1.25}') == (1.25, None)
+    assert push_answer(b'{"applied": true, "held_s": 0.5, "replay": "pa.1/flush:2"}') == (0.5, "pa.1/flush:2")
     for bad in (b"not json", b"[]", b'{"applied": true}', b'{"held_s": "1"}', b'{"held_s": -1}',
                 b'{"held_s": 1e300}', b'{"held_s": NaN}', b'{"held_s": true}'):
-        assert held_seconds(bad) == 0.0
+        assert push_answer(bad)[0] == 0.0
 
 
 def test_a_primary_waits_for_a_windows_pushes_an_eighth_of_the_round_timeout_unless_told(capsys):
@@ -652,6 +653,9 @@ def test_replays_due_wait_for_the_named_replay_and_let_one_that_overtook_its_ans
         r.landed(f"pd.1/flush:{i}")
     r.expect("pd", "pd.1/flush:0")
     assert r.due({"pd"}) == {"pd"}
+    r.expect("pf", "pf.1/flush:3")
+    r.landed("pf.1/flush:4")  # a later flush's replay landed: flush 3's landed or failed before it
+    assert r.due({"pf"}) == set() and len(r) == 1  # pd's is still due
     r.expect("pe", "pe.1/flush:5")
     r.expect("pe", "pe.2/flush:0")  # the primary restarted (a new nonce): its new run's flush is the one
     r.landed("pe.2/flush:0")

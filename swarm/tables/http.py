@@ -215,7 +215,7 @@ class TableClient:
         said a replay of its last flush is coming to us (the flush that applied our push), wait
         for it, REPLAY_WAIT_S at most; then read whatever our copy holds (tables/replays_due.py)."""
         omap = self.service.map
-        if omap is None or not self.replays.due(set(omap.members)):
+        if omap is None or not self.replays:  # nothing due: the common case, no work on the pull's path
             return
         me = omap.index.get(self.self_id)
         primaries: set[str] = set()
@@ -932,11 +932,6 @@ def push_answer(reply: bytes) -> tuple[float, object]:
         return 0.0, None
     ok = isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) and 0 <= held <= 3600
     return (float(held) if ok else 0.0), replay
-
-
-def held_seconds(reply: bytes) -> float:
-    """A push answer's ``held_s`` alone (push_answer)."""
-    return push_answer(reply)[0]
 
 
 def exact_dtype(g: torch.Tensor) -> str:

@@ -42,14 +42,20 @@ class ReplaysDue:
             return  # landed already, or an answer that came after a later flush's: that one is waited for
         self._due[primary] = key
 
+    def __len__(self) -> int:
+        """Primaries with a replay to us still on its way."""
+        return len(self._due)
+
     def landed(self, key: str) -> None:
-        """A replay message keyed ``key`` was applied here (or was a repeat of one that was)."""
+        """A replay message keyed ``key`` was applied here (or was a repeat of one that was). It
+        also settles an earlier flush of the same primary run that is still due: replays come in
+        flush order, so that one landed or failed for good (and is owed a catch-up)."""
         self._landed[key] = None
         self._landed.move_to_end(key)
         while len(self._landed) > self._keep:
             self._landed.popitem(last=False)
         for primary, due in list(self._due.items()):
-            if due == key:
+            if due == key or _older(due, key):
                 del self._due[primary]
 
     def due(self, primaries: set[str]) -> set[str]:
