@@ -139,14 +139,17 @@ class LocalSteps:
         held_s = 0.0
         if rows_first and pushes is not None:
             await self._push(role, pushes, w)
-        if not self.overlap:
-            # the window's row deltas are applied (at their primaries and replicas) before its
+        if rows_first:
+            # the window's row deltas are applied (at their primaries) before its
             # payload goes: a peer has round w only once every contributor's pushes of window w
             # landed, so window w+1 pulls rows with all of window w in them. Sent beside the
             # payload, they waited out the primaries' --push-window while the next window's first
             # pulls, its most frequent rows, read them without window w (a window stale). A push
             # held up (a primary just died, its slots moving) holds the payload a quarter of the
-            # round's deadline at most, so the others' round does not time out on us
+            # round's deadline at most, so the others' round does not time out on us. With
+            # --overlap only the last window waits: once a peer has the last round, every
+            # contributor's last pushes are applied at their primaries, so the final evaluations,
+            # which read the primaries (Peer.evaluate), read the same rows
             bound = peer.cfg.round_timeout / 4
             waited = time.monotonic()
             if not await peer.pushes_landed(bound):

@@ -523,7 +523,9 @@ class Peer:
     async def _settle_rows(self) -> None:
         """Let the last step's row updates land before the final evaluation, so that every peer
         evaluates the same tables: every peer queues its last step's row push before its last
-        payload (Peer.steps), and a primary applies a push within one --push-window of receiving it."""
+        payload (Peer.steps), and a primary applies a push within one --push-window of receiving it.
+        With local steps the last payload waits for its pushes to be applied (LocalSteps), and the
+        evaluation reads the primaries (evaluate), not a replica copy a replay may not have reached."""
         if self.table_client is None:
             return
         await asyncio.sleep(self.cfg.push_window)
@@ -1086,11 +1088,19 @@ class Peer:
             if initial:
                 rows = await self.work(evaluation.initial_rows, union, bounds, dims, self.replica.table_inits)
             else:
-                rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype())
+                rows, _ = await self.table_client.pull(union, dtype=self.cfg.eval_pull_dtype(),
+                                                       primaries=self._replicas_may_lag())
             for i in group:
                 sub = evaluation.rows_for(wants[i], union, rows)
                 losses.append(await self.work(self.replica.eval_loss, val[i], wants[i], sub))
         return sum(losses) / len(losses)
+
+    def _replicas_may_lag(self) -> bool:
+        """Whether a replica's copy can be a replay behind its primary after the pushes that made
+        it were answered: with local steps (--push-ack auto answers when applied) or --push-ack
+        applied. An evaluation then reads the primaries, so that every peer evaluates the same
+        rows; otherwise its own copies, which are as current and are read exactly (fp32)."""
+        return self.window > 1 or self.cfg.acks_when_applied(self.window)
 
     async def _linger(self) -> None:
         """After --steps: keep serving rows until every live peer has evaluated too (bounded)."""

@@ -331,7 +331,10 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"], said
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert torch.equal(a.replica.global_flat, c.replica.global_flat)
-    assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], abs=5e-4), said
+    # the final evaluations read the same rows (from the primaries, after every last push was
+    # applied): only each peer's own primary rows, read at fp32 where the others pull int8, differ
+    for r in results[1:]:
+        assert results[0]["val_loss"] == pytest.approx(r["val_loss"], abs=2e-4), said
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
 
 

@@ -446,3 +446,58 @@ async def test_a_pull_waits_for_the_replay_its_push_answer_named_before_reading_
     finally:
         for p in peers:
             await p.close()
+
+
+async def test_an_evaluation_pull_reads_the_primaries_not_a_replica_copy_a_replay_has_not_reached():
+    """pull(primaries=True), the evaluations' pull: rows of a slot we hold only as a replica come
+    from its primary, so a replay still on its way (here: dropped, as for a flush that did not
+    carry our push, whose replay no answer names) cannot make our evaluation read other rows than
+    the others'; a slot whose primary is down is read from our copy, beside the slots we are
+    primary of, in one local read."""
+    from swarm.transport import PeerUnreachable
+
+    peers = await start_peers(2, replicas=2, row_dtype="fp32", push_ack="applied")
+    try:
+        await until(lambda: settled(peers), what="a shared view")
+        a, b = peers
+        plan = a.tables.map.plan("ngram", np.arange(a.cfg.table_rows))
+        theirs, ours = plan[a.id][:200], plan[b.id][:100]  # a primary (b replica), b primary
+        real = a.transport.request
+
+        async def no_replays(method, url, **kw):
+            if url.endswith("/v1/rows/replay") or url.endswith("/v1/rows/replica"):
+                raise PeerUnreachable(url, "dropped by the test")
+            return await real(method, url, **kw)
+
+        a.transport.request = no_replays
+        g = torch.from_numpy(np.random.default_rng(7).standard_normal((len(theirs), 128)).astype(np.float32))
+        # a's pusher is a itself, so no answer names the replay to b: the case the wait cannot cover
+        assert await a.table_client.push({"ngram": (theirs, g * 0.01)}, key=f"{a.id}:1")
+        primary = a.tables.shards["ngram"].read(theirs)
+        copy = b.tables.shards["ngram"].read(theirs)
+        assert not torch.equal(primary, copy), "the replay reached b: nothing left to show"
+        assert not len(b.table_client.replays)  # nothing told b to wait
+
+        want = {"ngram": np.sort(np.concatenate([theirs, ours]))}
+        at = np.searchsorted(want["ngram"], theirs)
+        local0 = b.table_client.stats.rows_read_local
+        rows, missing = await b.table_client.pull(want)  # a training pull reads b's own copy
+        assert torch.equal(rows["ngram"][at], copy) and not len(missing.get("ngram", ()))
+        assert b.table_client.stats.rows_read_local - local0 == len(want["ngram"])
+
+        local0, remote0 = b.table_client.stats.rows_read_local, b.table_client.stats.rows_pulled_remote
+        rows, missing = await b.table_client.pull(want, dtype="fp32", primaries=True)
+        assert torch.equal(rows["ngram"][at], primary), "an evaluation read b's stale replica copy"
+        assert torch.equal(rows["ngram"][np.searchsorted(want["ngram"], ours)], b.tables.shards["ngram"].read(ours))
+        assert b.table_client.stats.rows_read_local - local0 == len(ours)
+        assert b.table_client.stats.rows_pulled_remote - remote0 == len(theirs)
+
+        down = b.table_client.down
+        b.table_client.down = lambda: down() | {a.id}  # a's slots are read where b holds them
+        local0 = b.table_client.stats.rows_read_local
+        rows, missing = await b.table_client.pull(want, dtype="fp32", primaries=True)
+        assert torch.equal(rows["ngram"][at], copy) and not len(missing.get("ngram", ()))
+        assert b.table_client.stats.rows_read_local - local0 == len(want["ngram"])
+    finally:
+        for p in peers:
+            await p.close()

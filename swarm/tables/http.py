@@ -154,17 +154,21 @@ class TableClient:
         if self.held is not None:
             self.held.next_window()
 
-    async def pull(self, want: dict[str, np.ndarray], dtype: str | None = None
+    async def pull(self, want: dict[str, np.ndarray], dtype: str | None = None, primaries: bool = False
                    ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Rows of ``want`` (sorted-unique ids per table), fp32 in ids order, and the ids that could
         not be had before the timeout (their rows are zeros); ``dtype``: the wire dtype of remote
-        rows, when not the client's (``row_dtype``)."""
+        rows, when not the client's (``row_dtype``). ``primaries``: read every row from its slot's
+        primary, ours included, not from our replica copy, which a replay may not have reached
+        yet (an evaluation: every peer then reads the same rows; a replica slot whose primary is
+        down is read wherever the pull would read it)."""
         t0 = time.monotonic()
         rows = {t: torch.zeros(len(ids), self.dims[t]) for t, ids in want.items()}
         # what is left to fetch, as positions into want[table] (ascending)
         todo = {t: np.arange(len(ids)) for t, ids in want.items() if len(ids)}
         unreachable: set[str] = set()
-        await self._replays_for(want)
+        if not primaries:
+            await self._replays_for(want)
         attempt = 0
         while todo:
             omap = self.service.map
@@ -177,12 +181,14 @@ class TableClient:
                 # written before the primary acknowledges a push (--push-ack replicated), so it is
                 # as current as the primary; with --push-ack applied (local steps) its replay may
                 # still be on its way (docs/design.md, "When a primary answers a push")
-                mine = omap.owned_mask(self.self_id, table, ids)
+                mine = omap.owned_mask(self.self_id, table, ids, primary=primaries)
                 if mine.any():
                     by_peer.setdefault(self.self_id, {})[table] = pos[mine]
                 rest = pos[~mine]
                 for peer, p in omap.cut(table, want[table][rest], down=self.down() | unreachable).items():
-                    by_peer.setdefault(peer, {})[table] = rest[p]
+                    part = by_peer.setdefault(peer, {})
+                    # (ours already with ``primaries``: a replica slot of ours whose primary is down)
+                    part[table] = np.sort(np.concatenate([part[table], rest[p]])) if table in part else rest[p]
             results = await asyncio.gather(*(self.pull_from(peer, {t: want[t][p] for t, p in sub.items()}, omap.view,
                                                             dtype) for peer, sub in by_peer.items()))
             left: dict[str, list[np.ndarray]] = {}

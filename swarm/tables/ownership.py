@@ -247,11 +247,12 @@ class OwnershipMap:
         return {"" if o == len(self.members) else self.members[o]: order[a:b]
                 for o, a, b in zip(uniq.tolist(), starts.tolist(), ends.tolist())}
 
-    def owned_mask(self, peer: str, table: str, ids: np.ndarray) -> np.ndarray:
-        """bool per id: ``peer`` owns the id's slot (as primary or replica)."""
+    def owned_mask(self, peer: str, table: str, ids: np.ndarray, primary: bool = False) -> np.ndarray:
+        """bool per id: ``peer`` owns the id's slot (as primary or replica; ``primary``: as primary)."""
         if not len(ids) or peer not in self.index:
             return np.zeros(len(ids), dtype=bool)
-        mine = (self.owner_matrix(table) == self.index[peer]).any(axis=1)
+        om = self.owner_matrix(table)
+        mine = om[:, 0] == self.index[peer] if primary else (om == self.index[peer]).any(axis=1)
         return mine[self.slot_of(table, ids)]
 
     def owned_slots(self, peer: str, table: str) -> tuple[np.ndarray, np.ndarray]:
