@@ -49,8 +49,9 @@ class LocalSteps:
         self.windows: dict[int, tuple[float, list[float], float]] = {}
         # our last windows' row pushes: w -> (when they went, when they were all answered or None)
         self.pushed: dict[int, tuple[float, float | None]] = {}
-        # our last rounds: w -> when the other contributors' windows w were over, as we saw it
-        self.others_done: dict[int, float] = {}
+        # our last rounds: w -> when the other contributors' windows w were over, as we saw it, and
+        # whether their row pushes said so (else their payloads)
+        self.others_done: dict[int, tuple[float, bool]] = {}
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -251,27 +252,33 @@ class LocalSteps:
     def steps_for(self, w: int) -> int:
         """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py
         window_steps makes of the newest of our windows whose round was taken knowing when the others'
-        ended (when our payload went against others_done_at then)."""
+        ended (others_done_at then, against when ours was over by the same mark: cadence.window_over)."""
         if not self.fit:
             return self.h
         for r in sorted((r for r in self.windows if r < w), reverse=True):
-            others = self.others_done.get(r)
-            if others is not None:
+            done = self.others_done.get(r)
+            if done is not None:
+                others, by_pushes = done
                 started, ends, sent = self.windows[r]
-                return cadence.window_steps(self.h, [e - started for e in ends], sent - started, others - started)
+                pushed = self.pushed.get(r)
+                ours = cadence.window_over(ends, sent, pushed[0] if pushed else None, by_pushes)
+                return cadence.window_steps(self.h, [e - started for e in ends], ours - started, others - started)
         return self.h
 
-    def others_done_at(self, w: int) -> float | None:
-        """When every other contributor's window ``w`` was over, as we saw it (monotonic s; None: not
-        yet, or nobody else): their payloads all in, or earlier, their row pushes of it all in at our
-        primary. With --window-push-wait their payloads wait for our own push (a primary holds a
-        window's pushes until every contributor's is in), so they come in when our window ends, however
-        long it takes, and only the pushes say when theirs did."""
+    def others_done_at(self, w: int) -> tuple[float, bool] | None:
+        """When every other contributor's window ``w`` was over, as we saw it (monotonic s), and
+        whether their row pushes said so (None: not yet, or nobody else): their payloads all in, or
+        earlier, their row pushes of it all in at our primary. With --window-push-wait their payloads
+        wait for our own push (a primary holds a window's pushes until every contributor's is in),
+        so they come in when our window ends, however long it takes, and only the pushes say when
+        theirs did."""
         others = self.peer.expected(w) - {self.peer.id}
         if not others:
             return None
-        seen = [self.peer.pacing.completed_at(w), self._pushed_in(w, others)]
-        return min((t for t in seen if t is not None), default=None)
+        payloads, pushes = self.peer.pacing.completed_at(w), self._pushed_in(w, others)
+        if pushes is not None and (payloads is None or pushes <= payloads):
+            return pushes, True
+        return (payloads, False) if payloads is not None else None
 
     def others_in(self, w: int) -> bool:
         """Every other contributor's window ``w`` is over: their payloads for round ``w`` are in, or

@@ -93,6 +93,29 @@ def test_a_window_is_cut_short_only_for_a_clearly_late_peer_to_fit_the_others_ti
             ws(h, steps(n, 1.0), 100.0, 100.0)
 
 
+def test_a_window_is_planned_from_our_mark_of_the_kind_the_others_was_taken_with():
+    """window_over: against the others' payloads, when ours went; against their row pushes (at our
+    primary), when ours went, not our payload, which waited for every primary to have the whole
+    window's pushes and answer. Mixed, equal peers on a slow link looked late by that wait."""
+    over = cadence.window_over
+    ends = [1.0 * (i + 1) for i in range(32)]  # a whole window, one step a second
+    assert over(ends, 39.0, 32.2, by_pushes=False) == 39.0
+    assert over(ends, 39.0, 32.2, by_pushes=True) == 32.2
+    assert over(ends, 39.0, 28.0, by_pushes=True) == 32.0  # led by --push-lead: no earlier than our last step
+    assert over(ends, 39.0, None, by_pushes=True) == 39.0  # no push timed (no tables): the payload
+    # the 1 MB/s case (bench/wan.py swarm-diloco, 8mbit): the others' pushes in 1.5 s after our last
+    # step, our payload 7 s after it (our pushes answered once every primary had the window's).
+    # Against the payload we looked late and planned 26 of 32 steps, window after window; against
+    # our pushes, which went 0.2 s after it, we are not late
+    ws = cadence.window_steps
+    assert ws(32, ends, 39.0, 33.5) == 26
+    assert ws(32, ends, over(ends, 39.0, 32.2, by_pushes=True), 33.5) == 32
+    # a peer at half speed is still late by the same mark: the others' pushes (whole windows of
+    # 32 s) came at 33.5 s, when 16 of its steps had ended
+    slow = [2.0 * (i + 1) for i in range(32)]
+    assert ws(32, slow, over(slow, 71.0, 64.2, by_pushes=True), 33.5) == 16
+
+
 def test_a_window_is_cut_when_the_others_are_in_with_enough_of_it_left():
     cut = cadence.end_window_now
     assert cut(32, 16, True) and not cut(32, 16, False)  # only once every other payload is in
@@ -301,8 +324,8 @@ async def test_a_slow_peer_takes_shorter_windows_and_the_swarm_agrees():
     # they came in with fewer than 2 of its steps left (end_window_now leaves those): on 2 shared cores
     # a fast peer's first window can start late (seen: 0.3 s) and end barely before the slow one's
     started, ends, _ = slow.local_steps.windows[0]
-    others_in = slow.local_steps.others_done.get(0)
-    assert others_in is not None
+    assert slow.local_steps.others_done.get(0) is not None
+    others_in = slow.local_steps.others_done[0][0]
     if not any(e["kind"] == "window" and e["detail"].startswith("window 0:") for e in slow.events):
         assert len(ends) == 8 and sum(1 for e in ends if e > others_in) <= 2, (others_in - started,
                                                                                [e - started for e in ends])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 __all__ = ["cap_stride", "phase", "next_round", "window_steps", "end_window_now", "push_lead", "Pace", "SLOW_FACTOR", "FAST_AGAIN", "MIN_SEEN",
-           "MAX_STRIDE", "WINDOW_FIT"]
+           "MAX_STRIDE", "WINDOW_FIT", "window_over"]
 
 SLOW_FACTOR = 1.5  # compute this x longer than the swarm's median: stop holding rounds up
 FAST_AGAIN = 1.2  # ... and hold them again (wait for each round) once under this x
@@ -89,6 +89,20 @@ def window_steps(h: int, ends: Sequence[float], sent: float, others: float) -> i
     if last == h and (k * WINDOW_FIT >= 1 or fit >= h - 1):
         return h  # a whole window late by noise, or by one step: not worth a step of the window
     return fit
+
+
+def window_over(ends: Sequence[float], payload_sent: float, pushes_sent: float | None, by_pushes: bool) -> float:
+    """When our own window was over, for window_steps' ``sent``, by the mark the others' was taken
+    with (seconds from its start; ``ends``: when each inner step ended). Taken from their payloads
+    (``by_pushes`` False): when our payload went. From their row pushes all in at our primary:
+    when ours went (``pushes_sent``; at least our last step's end, as a push led by --push-lead went
+    before it). Not our payload against their pushes: our payload goes once our pushes are answered,
+    and a primary answers once it has every contributor's push of the window (--window-push-wait),
+    so that mark always trails theirs by the pushes' upload and the flush: on a 1 MB/s link with
+    dense payloads it made equal peers plan windows half as long, window after window."""
+    if not by_pushes or pushes_sent is None or not ends:
+        return payload_sent
+    return max(pushes_sent, ends[-1])
 
 
 def end_window_now(h: int, done: int, others_in: bool) -> bool:
