@@ -104,7 +104,8 @@ What is measured (the same way for every method):
                gradients, table rows, control, TCP/IP headers), mean over peers; bytes per sample =
                that / the samples the peer trained (inner steps x batch). A run's results also split
                it: tx_bytes_before_window (start to the end of step 1), tx_bytes_train_window (per
-               peer) and tx_bytes_after_window (the last step to the end: final evaluation, linger).
+               peer) and tx_bytes_after_window (the last step to the end: final evaluation, linger),
+               cut at the steps' wall times (evaluations included, unlike the curves' times).
   wait share   1 - (compute floor step time under the same contention) / (step time); for DDP also
                the measured wait (fwd+bwd time beyond the same under no_sync). The swarm's own
                `step_phases` (waiting for rows and for the round, against computing) are printed too.
@@ -214,14 +215,16 @@ _STEP_RE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+|nan|inf) ")
 _EVAL_RE = re.compile(r" eval_time ([0-9.]+)s\b")
 
 
-def parse_peer_lines(lines: list[tuple[float, str]]) -> tuple[dict[int, tuple[float, float]], dict | None]:
+def parse_peer_lines(lines: list[tuple[float, str]], less_evals: bool = True
+                     ) -> tuple[dict[int, tuple[float, float]], dict | None]:
     """`peer.py` stdout with read timestamps -> ({step: (t, running-mean loss)}, summary JSON or None).
 
     The summary is the last line if it is a JSON object; progress lines are `step N loss X ...`.
     A progress line's `eval_time Xs` (peer.py with --eval-every: the seconds its held-out
     evaluations took so far) is taken off its time: a curve's times, and the step times and times
     to target made of them, are the training's, without the evaluations that give val_loss at the
-    budget (the floor and the synchronous baselines evaluate only after their last step)."""
+    budget (the floor and the synchronous baselines evaluate only after their last step).
+    ``less_evals`` False: the times as read (wall clock), for what the interface counters saw when."""
     points: dict[int, tuple[float, float]] = {}
     for t, line in lines:
         m = _STEP_RE.match(line)
@@ -229,7 +232,7 @@ def parse_peer_lines(lines: list[tuple[float, str]]) -> tuple[dict[int, tuple[fl
             loss = float(m.group(2))
             ev = _EVAL_RE.search(line)
             if math.isfinite(loss):
-                points[int(m.group(1))] = (t - (float(ev.group(1)) if ev else 0.0), loss)
+                points[int(m.group(1))] = (t - (float(ev.group(1)) if ev and less_evals else 0.0), loss)
     summary = None
     for _, line in reversed(lines):
         if line.strip():
@@ -1090,10 +1093,14 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
     tx = [wan.tx_bytes(i) - tx0[i] for i in range(wan.n)]
     parsed = [parse_peer_lines(p.lines) for p in procs]
     curve = merge_curves([pts for pts, _ in parsed])
+    # the interface counters' samples are on the wall clock: the training window's bytes are cut
+    # at the steps' wall times, not at the curve's (its times leave the evaluations out, which
+    # moved the window's ends earlier by them: bytes of the last steps were counted after it)
+    wall = merge_curves([parse_peer_lines(p.lines, less_evals=False)[0] for p in procs])
     summaries = [s for _, s in parsed if s]
     app = [s.get("bytes_sent", 0) + s.get("control_bytes_sent", 0) + s.get("row_bytes_sent", 0) for s in summaries]
     val_end = _mean([s["val_loss"] for s in summaries if s.get("val_loss") is not None])
-    out = {"curve": curve, "exit_codes": codes, **traffic(tx, samples, curve),
+    out = {"curve": curve, "exit_codes": codes, **traffic(tx, samples, wall),
            "app_bytes_per_peer": int(_mean(app)) if app else None,
            "grad_bytes_per_peer": int(_mean([s.get("bytes_sent", 0) for s in summaries])) if summaries else None,
            "row_bytes_per_peer": int(_mean([s.get("row_bytes_sent", 0) for s in summaries])) if summaries else None,

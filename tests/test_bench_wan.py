@@ -34,6 +34,10 @@ def test_parse_peer_lines_leaves_the_evaluations_out_of_the_curves_time():
                                    (15.0, f"step 3 loss 4.8 {tail} eval_time 4.50s"),
                                    (16.0, f"step 4 loss 4.7 {tail}")])
     assert pts == {1: (8.5, 5.0), 2: (9.5, 4.9), 3: (10.5, 4.8), 4: (16.0, 4.7)}
+    # the wall clock, for cutting the interface counters' samples at the steps' ends (traffic)
+    wall, _ = wan.parse_peer_lines([(10.0, f"step 1 loss 5.0 {tail} eval_time 1.50s"),
+                                    (15.0, f"step 3 loss 4.8 {tail} eval_time 4.50s")], less_evals=False)
+    assert wall == {1: (10.0, 5.0), 3: (15.0, 4.8)}
     assert wan.step_time(wan.merge_curves([{s: p for s, p in pts.items() if s < 4}])) == 1.0
     lines = [(10.0, f"step 1 loss 5.0 {tail} eval_time 1.50s"), (15.0, f"step 3 loss 4.8 {tail} eval_time 4.50s")]
     assert wan.eval_seconds_between(lines, 1, 3) == 3.0 and wan.eval_seconds_between(lines, 1, 2) == 0.0
