@@ -314,3 +314,17 @@ def test_cut_gives_positions_of_plan_for_any_order():
     assert om.cut("ngram", np.zeros(0, dtype=np.int64)) == {}
     with pytest.raises(ValueError):
         om.cut("ngram", ids.reshape(2, -1))
+
+
+def test_owned_mask_says_which_ids_a_peer_holds_and_which_as_primary():
+    om = OwnershipMap(TABLES, members(4), replicas=2, slots=256)
+    ids = np.arange(0, 65536, 97)
+    slots = om.slot_of("ngram", ids)
+    for peer in om.members:
+        owners = [om.owners("ngram", int(s)) for s in slots]
+        held = om.owned_mask(peer, "ngram", ids)
+        first = om.owned_mask(peer, "ngram", ids, primary=True)
+        assert held.tolist() == [peer in o for o in owners]
+        assert first.tolist() == [o[0] == peer for o in owners]
+        assert (first <= held).all() and first.any() and (held & ~first).any()  # some held only as replica
+    assert not om.owned_mask("stranger", "ngram", ids, primary=True).any()

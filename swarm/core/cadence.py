@@ -93,7 +93,7 @@ def window_steps(h: int, ends: Sequence[float], sent: float, others: float) -> i
 
 def window_over(ends: Sequence[float], payload_sent: float, pushes_sent: float | None, by_pushes: bool) -> float:
     """When our own window was over, for window_steps' ``sent``, by the mark the others' was taken
-    with (seconds from its start; ``ends``: when each inner step ended). Taken from their payloads
+    with (every time on one clock; ``ends``: when each inner step ended). Taken from their payloads
     (``by_pushes`` False): when our payload went. From their row pushes all in at our primary:
     when ours went (``pushes_sent``; at least our last step's end, as a push led by --push-lead went
     before it). Not our payload against their pushes: our payload goes once our pushes are answered,

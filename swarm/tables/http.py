@@ -177,7 +177,7 @@ class TableClient:
             by_peer: dict[str, dict[str, np.ndarray]] = {}  # peer -> table -> positions into want
             for table, pos in todo.items():
                 ids = want[table][pos]
-                # ids whose slot this peer owns (primary or replica) are read here: a replica is
+                # ids whose slot this peer owns (primary or replica; with ``primaries``, primary) are read here: a replica is
                 # written before the primary acknowledges a push (--push-ack replicated), so it is
                 # as current as the primary; with --push-ack applied (local steps) its replay may
                 # still be on its way (docs/design.md, "When a primary answers a push")
