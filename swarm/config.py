@@ -95,7 +95,7 @@ class PeerConfig:
     # rounds, int4 with --sync-every > 1 (pull_dtype)
     row_dtype: str = ""
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
-    prefetch: int = 1  # 1 = pull the next step's rows while waiting for this step's round
+    prefetch: int = 1  # 1 = pull the next step's (window's first) rows while waiting for this step's round
     # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
     # this one computes (each row still pulled once a window)
     row_lookahead: int = 4

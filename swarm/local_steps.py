@@ -7,7 +7,8 @@ window's row deltas go to their primaries (applied there before the payload goes
 window pulls rows with every peer's window ``w`` in them; with --push-lead L they go L inner steps
 before the window's end, so they travel while its last steps compute, and what those steps change
 joins the next window's push), and the round's aggregate is one outer step on the global vector
-(swarm/outer.py) that every peer applies alike. A peer clearly slower
+(swarm/outer.py) that every peer applies alike; the next window's first rows are pulled
+while that round completes (--prefetch, _begin_next). A peer clearly slower
 than the others takes fewer than H inner steps, so that its windows end when theirs do, and its
 payload says the samples behind it (core/cadence.py window_steps; docs/design.md "Uneven peers in
 windows").
@@ -52,6 +53,9 @@ class LocalSteps:
         # our last rounds: w -> when the other contributors' windows w were over, as we saw it, and
         # whether their row pushes said so (else their payloads)
         self.others_done: dict[int, tuple[float, bool]] = {}
+        # the next window's first batch, its rows' pull started once our pushes of this one were
+        # answered, so that it travels while the round completes: (that window, the pull's future)
+        self.first: tuple[int, asyncio.Future] | None = None
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -81,12 +85,16 @@ class LocalSteps:
         started, h, samples, ends = time.monotonic(), self.steps_for(w), 0, []
         last = peer.is_last_round(w)
         lead, pushed_early = self.lead(w, h, last), False
-        await peer.work(rows.clear)
-        peer.table_client.next_window()  # the last window's pulled rows: what this one's pulls may reuse
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
         # window's first steps need the most new rows, more than one step's compute hides on a slow
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
         ahead: deque[asyncio.Future] = deque()  # the next steps' batches, their rows' pulls started
+        if self.first is not None and self.first[0] == w:  # begun at the end of the last window (_begin_next)
+            ahead.append(self.first[1])
+            self.first = None
+        else:
+            await self.drop_next()
+            await self._new_window_rows()
         try:
             for i in range(h):
                 if peer.stopping:
@@ -137,7 +145,7 @@ class LocalSteps:
         # the rows go before the payload without --overlap (below), and the last window's always
         # (Peer._settle_rows relies on it); with --overlap the payload goes first, as the round waits for it
         rows_first = not self.overlap or last
-        held_s = 0.0
+        held_s, landed = 0.0, False
         if rows_first and pushes is not None:
             await self._push(role, pushes, w)
         if rows_first:
@@ -153,25 +161,57 @@ class LocalSteps:
             # which read the primaries (Peer.evaluate), read the same rows
             bound = peer.cfg.round_timeout / 4
             waited = time.monotonic()
-            if not await peer.pushes_landed(bound):
+            landed = await peer.pushes_landed(bound)
+            if not landed:
                 peer.event("rows", f"window {w}: row pushes not answered within {bound:g} s; "
                                    "the payload goes without waiting for them")
             held_s = min(self._held(w), time.monotonic() - waited)
         peer.send_payload(enc)
+        peer.sent_through = w
         self.windows[w] = (started, ends, time.monotonic())
+        if landed and not last and not peer.stopping and role.prefetch and peer.cfg.prefetch:
+            await self._begin_next(role, w + 1)
         for book in (self.windows, self.pushed, self.others_done):
             for old in [k for k in book if k < w - 4]:
                 del book[old]
         if not rows_first and pushes is not None:
             await self._push(role, pushes, w)
         peer.record_payload(enc)
-        peer.sent_through = w
         clock.mark("send")
         clock.move("send", "held", held_s)  # waiting for the others' pushes, not sending ours
         if not ends_step:
             clock.end()
         peer.maybe_print()
         return True
+
+    async def _new_window_rows(self) -> None:
+        """Empty the working copy for a new window; the last window's pulled rows are what its
+        pulls may reuse (tables/held.py)."""
+        await self.peer.work(self.peer.window_rows.clear)
+        self.peer.table_client.next_window()
+
+    async def _begin_next(self, role: "Role", w: int) -> None:
+        """Window ``w``'s first batch is sampled and its rows' pull started now, once our pushes of
+        window w - 1 are answered, so that it travels while round w - 1 completes (on a slow link a
+        wait at every window's start: its first step needs the most new rows of the window). Only
+        the first: the pulls of the steps after it would mostly wait for the last window's replays
+        (read-your-writes), and starting them too was slower (docs/benchmarks.md). Each primary
+        we pushed to has then applied every contributor's push of the last window (its flush waits
+        for them all, PushBatcher), so these rows hold it as the window's later pulls do; a primary
+        we did not push to, or a flush that went without a late pusher, may serve a row without
+        that delta, as any pull may when a push is late. The outer step does not touch the rows."""
+        await self._new_window_rows()
+        fut = await self._next_batch(role)
+        self.first = (w, fut)
+        await role.prefetch_started(fut)  # a host group: its collectives before the round's
+
+    async def drop_next(self) -> None:
+        """Cancel the next window's first pull (_begin_next) when it will not be used: a re-sync, a
+        stop, a window other than the one it was begun for."""
+        first, self.first = self.first, None
+        if first is not None:
+            first[1].cancel()
+            await asyncio.gather(first[1], return_exceptions=True)
 
     def _contributors(self) -> int:
         """P, the swarm's contributors: each peer's row delta counts 1/P, so a row's update is the

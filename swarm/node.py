@@ -745,6 +745,8 @@ class Peer:
                     break
                 if cmd is RESYNC:
                     prefetched = await _cancelled(prefetched)
+                    if self.local_steps is not None:  # the next window's first rows: not after a re-sync
+                        await self.local_steps.drop_next()
                     await role.resync()
                     continue
                 step = cmd
@@ -769,6 +771,8 @@ class Peer:
                 clock.end()
         finally:
             await _cancelled(prefetched)
+            if self.local_steps is not None:
+                await self.local_steps.drop_next()
         await role.end()
         await self.drain_pushes(keep=0)
 

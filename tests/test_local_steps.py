@@ -421,40 +421,61 @@ async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_e
     assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
 
 
-async def test_a_window_pulls_its_rows_only_after_every_peers_pushes_of_the_last_window_landed():
+@pytest.mark.parametrize("prefetch", [1, 0])
+async def test_a_window_pulls_its_rows_only_after_every_peers_pushes_of_the_last_window_landed(prefetch):
     """Without --overlap, a window's payload goes only once its row pushes are applied, so the next
     window's pulls (its first inner steps' rows, the most frequent) read rows with every peer's
     delta of the last window in them. Sent beside the payload, the pushes lost the race to the
-    next window's pulls: a round on loopback takes less than the push window."""
-    kw = dict(steps=12, min_peers=2, sync_every=4, push_window=0.4)
+    next window's pulls: a round on loopback takes less than the push window. With --prefetch 1
+    (the default) the next window's first rows are pulled while the round completes, once the
+    puller's own pushes are answered: every primary has applied every peer's push by then."""
+    kw = dict(steps=12, min_peers=2, sync_every=4, push_window=0.4, prefetch=prefetch)
     a = await _start(**kw)
     b = await _start(join=f"127.0.0.1:{a.port}", **kw)
-    landed: dict[int, list[float]] = {}  # window -> when each push of it was answered
-    pulls: list[tuple[int, float]] = []  # (the last window the puller had sent, when the pull began)
-    for p in (a, b):
-        client = p.table_client
-        real_push, real_pull = client.push, client.pull
+    applied: dict[int, list[float]] = {}  # window -> when each primary applied a push of it
+    pulls: list[tuple[int, int, float]] = []  # (puller, the last window it had sent, when the pull began)
+    rounds: dict[tuple[int, int], float] = {}  # (peer, w) -> when it had taken round w
+    for i, p in enumerate((a, b)):
+        client, service, keys = p.table_client, p.tables, {}
+        real_pull, real_accept, real_flush, real_take = client.pull, service.accept_push, service.flush, p.take_round
 
-        async def push(grads, key, real_push=real_push):
-            ok = await real_push(grads, key)
-            landed.setdefault(int(key.rsplit(":", 1)[1]), []).append(time.monotonic())
-            return ok
+        def accept(req, *args, real_accept=real_accept, keys=keys):
+            ticket = real_accept(req, *args)
+            if ticket is not None:
+                keys[ticket] = req.key
+            return ticket
 
-        async def pull(want, *args, real_pull=real_pull, p=p, **kwargs):
-            pulls.append((p.sent_through, time.monotonic()))
+        def flush(*args, real_flush=real_flush, keys=keys):
+            forward, outcome = real_flush(*args)
+            now = time.monotonic()
+            for ticket in outcome:
+                applied.setdefault(int(keys.pop(ticket).rsplit(":", 1)[1]), []).append(now)
+            return forward, outcome
+
+        async def pull(want, *args, real_pull=real_pull, p=p, i=i, **kwargs):
+            pulls.append((i, p.sent_through, time.monotonic()))
             return await real_pull(want, *args, **kwargs)
 
-        client.push, client.pull = push, pull
+        async def take_round(step, real_take=real_take, i=i):
+            await real_take(step)
+            rounds[(i, step)] = time.monotonic()
+
+        client.pull, service.accept_push, service.flush, p.take_round = pull, accept, flush, take_round
     try:
         results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
     finally:
         for p in (a, b):
             await p.close()
-    assert sorted(landed) == [0, 1, 2] and all(len(v) == 2 for v in landed.values())  # each peer, each window
-    later = [(w, t) for w, t in pulls if w >= 0]
-    assert {w for w, _ in later} >= {0, 1}  # windows 1 and 2 pulled rows
-    for w, t in later:
-        assert t >= max(landed[w]), f"a pull after window {w} began before its pushes landed"
+    # each peer pushed to each primary, every window
+    assert sorted(applied) == [0, 1, 2] and all(len(v) == 4 for v in applied.values()), applied
+    later = [(i, w, t) for i, w, t in pulls if w >= 0]
+    assert {w for _, w, _ in later} >= {0, 1}  # windows 1 and 2 pulled rows
+    for _, w, t in later:
+        assert t >= max(applied[w]), f"a pull after window {w} began before its pushes were applied"
+    # pulls begun before the puller had taken the round of the window it had just sent: the next
+    # window's first rows
+    during_round = {w for i, w, t in later if t < rounds[(i, w)]}
+    assert during_round == ({0, 1} if prefetch else set()), later
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
 
