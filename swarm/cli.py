@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--row-dtype", help="dtype of pulled rows on the wire: fp32, fp16, bf16, int8 or int4 (default int8; int4 with "
       "--sync-every > 1)")
     a("--push-dtype", help=f"dtype of row gradients on the wire: fp32, fp16, bf16, int8 or int4 (default {d.push_dtype})")
-    a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (with --sync-every > 1: "
-      "the next window's first rows, once this window's row pushes are answered; default 1)")
+    a("--prefetch", type=int, help="1: pull the next step's rows while this step's round completes (with --sync-every > 1 "
+      "and no --overlap: the next window's first rows, once this window's row pushes are answered; default 1)")
     a("--row-lookahead", type=int, help="with --sync-every > 1: pull the rows of this many inner steps ahead while "
       f"one computes (each row once a window; default {d.row_lookahead})")
     a("--push-lead", type=_auto_or(parse_push_lead, "inner steps"), help="with --sync-every > 1: send a window's row deltas this many inner steps "
