@@ -145,3 +145,46 @@ def test_empty_shard_falls_back_to_all(tmp_path):
     samplers = [BatchSampler(c, 2, 8, seed=0, shard=(i, 50)) for i in range(50)]
     assert any(s.files == c.train_files for s in samplers)
     assert all(len(s.files) >= 1 for s in samplers)
+
+
+def test_the_corpus_keeps_no_training_bytes_and_a_shard_reads_its_own(stdlib):
+    # what a peer holds: the validation bytes and the offsets, not the 11 MB training stream
+    held = [v for v in vars(stdlib).values() if isinstance(v, np.ndarray)]
+    assert sum(a.nbytes for a in held) < stdlib.val.nbytes + 64 * (len(stdlib.train_files) + len(stdlib.val_files) + 2)
+    whole = stdlib.train
+    assert whole.size == stdlib.train_offsets[-1] and whole is not stdlib.train  # read anew each time
+    for i in (0, len(stdlib.train_files) // 2, len(stdlib.train_files) - 1):
+        lo, hi = stdlib.train_offsets[i], stdlib.train_offsets[i + 1]
+        assert np.array_equal(stdlib.train_file(i), whole[lo:hi])
+    s = BatchSampler(stdlib, 4, 64, seed=0, shard=(1, 4))
+    picked = [stdlib.train_files.index(f) for f in s.files]
+    assert s.stream.tobytes() == b"".join(whole[stdlib.train_offsets[j]:stdlib.train_offsets[j + 1]].tobytes()
+                                          for j in picked)
+
+
+def test_a_training_file_changed_after_loading_is_refused(tmp_path):
+    write_tree(tmp_path, {f"pkg/m{i}.py": f"x = {i}\n".encode() * 50 for i in range(30)})
+    c = load_corpus(str(tmp_path))
+    before = c.train.tobytes()
+    BatchSampler(c, 2, 16, seed=0, shard=(0, 2))
+    rel = c.train_files[0]
+    (tmp_path / rel).write_bytes((tmp_path / rel).read_bytes().replace(b"x", b"y"))  # same length
+    with pytest.raises(ValueError, match=f"{rel!r} changed since the corpus was loaded"):
+        c.train_file(0)
+    with pytest.raises(ValueError, match="changed since the corpus was loaded"):
+        BatchSampler(c, 2, 16, seed=0, shard=(0, 1))
+    (tmp_path / rel).unlink()
+    with pytest.raises(ValueError, match=f"{rel!r} can no longer be read"):
+        c.train_file(0)
+    # loading again takes the corpus as it is now (another hash), and reads it
+    (tmp_path / rel).write_bytes(b"z = 1\n" * 40)
+    d = load_corpus(str(tmp_path))
+    assert d.hash != c.hash and d.train.tobytes() != before
+
+
+def test_cut_corpora_read_back_what_was_hashed(tmp_path):
+    write_tree(tmp_path, {f"f{i}.txt": f"line {i}\n".encode() * 30 for i in range(6)})
+    cut = load_corpus(str(tmp_path), max_bytes=500)
+    assert cut.num_bytes == 500 and cut.train.size == cut.train_offsets[-1]
+    single = load_corpus(str(tmp_path / "f1.txt"))
+    assert single.train.tobytes() + single.val.tobytes() == (tmp_path / "f1.txt").read_bytes()

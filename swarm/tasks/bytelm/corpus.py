@@ -41,21 +41,53 @@ PAD = 0
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
+    """The corpus as loaded and hashed. It keeps the validation bytes, not the training bytes: a
+    peer trains on its shard, a quarter of them at 4 peers, which its BatchSampler reads from the
+    files when it is made (train_file), each file checked against the digest taken at load. Held
+    whole, the stdlib's 11.4 MB sat in every peer's memory for nothing (docs/benchmarks.md,
+    "Memory per peer")."""
+
     name: str
     hash: str                 # sha256 hex over (path, content) of all files, see module doc
-    train: np.ndarray         # uint8, training files concatenated in sorted order (read-only)
     val: np.ndarray           # uint8, validation files concatenated in sorted order (read-only)
     train_files: list[str]    # relative posix paths, sorted
     val_files: list[str]
     train_offsets: np.ndarray  # int64 [len(train_files) + 1]: file i is train[off[i]:off[i+1]]
     val_offsets: np.ndarray
+    root: str                 # the files' directory (or the one file of a single-file corpus)
+    # per training file: the byte range of the file that is in the stream (all of it, but for a
+    # single-file corpus's 95% and a --max-bytes cut), and the sha256 of those bytes
+    train_spans: tuple[tuple[int, int], ...]
+    train_digests: tuple[bytes, ...]
 
     @property
     def num_bytes(self) -> int:
-        return int(self.train.size + self.val.size)
+        return int(self.train_offsets[-1] + self.val.size)
+
+    @property
+    def train(self) -> np.ndarray:
+        """uint8, the training files concatenated in sorted order: read from the files now, a new
+        array each time (the whole corpus's; a shard's sampler reads only its files)."""
+        if not self.train_files:
+            return np.zeros(0, dtype=np.uint8)
+        return np.concatenate([self.train_file(i) for i in range(len(self.train_files))])
 
     def train_file(self, i: int) -> np.ndarray:
-        return self.train[self.train_offsets[i]:self.train_offsets[i + 1]]
+        """Training file ``i``'s bytes in the stream (uint8), read from its file now. A file that
+        changed since the corpus was loaded is refused: the swarm agreed on the corpus's hash."""
+        rel, (lo, hi) = self.train_files[i], self.train_spans[i]
+        path = Path(self.root) if Path(self.root).is_file() else Path(self.root) / rel
+        try:
+            with open(path, "rb") as f:
+                f.seek(lo)
+                data = f.read(hi - lo)
+        except OSError as e:
+            raise ValueError(f"corpus file {rel!r} can no longer be read ({e.strerror or e}); "
+                             "restart the peer on the corpus as it is now") from None
+        if len(data) != hi - lo or hashlib.sha256(data).digest() != self.train_digests[i]:
+            raise ValueError(f"corpus file {rel!r} changed since the corpus was loaded (the swarm agreed "
+                             "on it as it was); restart the peer on the corpus as it is now")
+        return np.frombuffer(data, dtype=np.uint8)
 
 
 # ----------------------------------------------------------------------------- enumeration
@@ -160,26 +192,28 @@ def _load(root: str, name: str, stamp: tuple, is_stdlib: bool, max_bytes: int | 
         h.update(contents[rel])
 
     train_set, val_set = _split_files(rels)
+    # per file: the byte range of it in each split (the whole file, but for a single file's 95/5)
     if len(rels) == 1:  # single file: first 95% train, last 5% val
-        data = contents[rels[0]]
-        cut = len(data) - max(1, len(data) // VAL_MODULUS) if len(data) > 1 else len(data)
-        train_parts, val_parts = [data[:cut]], [data[cut:]]
+        size = len(contents[rels[0]])
+        cut = size - max(1, size // VAL_MODULUS) if size > 1 else size
+        train_spans, val_spans = [(0, cut)], [(cut, size)]
     else:
-        train_parts = [contents[r] for r in rels if r in train_set]
-        val_parts = [contents[r] for r in rels if r in val_set]
+        train_spans = [(0, len(contents[r])) for r in rels if r in train_set]
+        val_spans = [(0, len(contents[r])) for r in rels if r in val_set]
+    train_rels = [r for r in rels if r in train_set]
+    val_rels = [r for r in rels if r in val_set]
 
-    def pack(parts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        arr = np.frombuffer(b"".join(parts), dtype=np.uint8)  # read-only view of the bytes
-        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in parts], out=offsets[1:])
-        offsets.setflags(write=False)
-        return arr, offsets
+    def offsets(spans: list[tuple[int, int]]) -> np.ndarray:
+        off = np.zeros(len(spans) + 1, dtype=np.int64)
+        np.cumsum([hi - lo for lo, hi in spans], out=off[1:])
+        off.setflags(write=False)
+        return off
 
-    train, train_off = pack(train_parts)
-    val, val_off = pack(val_parts)
-    return Corpus(name=name, hash=h.hexdigest(), train=train, val=val,
-                  train_files=[r for r in rels if r in train_set], val_files=[r for r in rels if r in val_set],
-                  train_offsets=train_off, val_offsets=val_off)
+    val = np.frombuffer(b"".join(contents[r][lo:hi] for r, (lo, hi) in zip(val_rels, val_spans)), dtype=np.uint8)
+    digests = tuple(hashlib.sha256(contents[r][lo:hi]).digest() for r, (lo, hi) in zip(train_rels, train_spans))
+    return Corpus(name=name, hash=h.hexdigest(), val=val, train_files=train_rels, val_files=val_rels,
+                  train_offsets=offsets(train_spans), val_offsets=offsets(val_spans), root=root,
+                  train_spans=tuple(train_spans), train_digests=digests)
 
 
 # ----------------------------------------------------------------------------- batches
