@@ -192,16 +192,16 @@ def _load(root: str, name: str, stamp: tuple, is_stdlib: bool, max_bytes: int | 
         h.update(contents[rel])
 
     train_set, val_set = _split_files(rels)
+    train_rels = [r for r in rels if r in train_set]
+    val_rels = [r for r in rels if r in val_set]
     # per file: the byte range of it in each split (the whole file, but for a single file's 95/5)
     if len(rels) == 1:  # single file: first 95% train, last 5% val
         size = len(contents[rels[0]])
         cut = size - max(1, size // VAL_MODULUS) if size > 1 else size
         train_spans, val_spans = [(0, cut)], [(cut, size)]
     else:
-        train_spans = [(0, len(contents[r])) for r in rels if r in train_set]
-        val_spans = [(0, len(contents[r])) for r in rels if r in val_set]
-    train_rels = [r for r in rels if r in train_set]
-    val_rels = [r for r in rels if r in val_set]
+        train_spans = [(0, len(contents[r])) for r in train_rels]
+        val_spans = [(0, len(contents[r])) for r in val_rels]
 
     def offsets(spans: list[tuple[int, int]]) -> np.ndarray:
         off = np.zeros(len(spans) + 1, dtype=np.int64)
