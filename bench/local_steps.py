@@ -13,7 +13,10 @@ measures what the settings do to the model and to the bytes, not time on a slow 
   bytes_per_sample  request bodies a peer sent (gradient payloads, row pulls and pushes, replica
                     replays, control), over the samples it trained, mean over peers; replies (rows
                     served to others) are not in it (bench/wan.py counts interface bytes)
-  sent_by_kind      peer 0's request bytes by kind
+  sent_by_kind      peer 0's request bytes by kind (on the wire: zstd-compressed where it paid)
+  received_by_kind  peer 0's reply bytes by kind (the rows its pulls brought, ...)
+  wire_encoding     peer 0's bodies sent and received, on the wire and before zstd
+                    (--wire-compression; "--wire-compression none" sends them all plain)
   replay_waits      per peer, [pulls that waited for a replay to reach its replica copy, seconds
                     they waited] (docs/design.md, "When a primary answers a push")
 
@@ -52,6 +55,8 @@ def run(extra: list[str], a) -> dict:
     return {"config": " ".join(extra), "val_loss": round(mean("val_loss"), 4), "final_loss": round(mean("final_loss"), 4),
             "bytes_per_sample": round(mean("bytes_per_sample")), "wall_s": round(time.time() - t0, 1),
             "rounds_timed_out": [s["rounds_timed_out"] for s in summaries], "sent_by_kind": summaries[0]["sent_by_kind"],
+            # peer 0's: replies (rows served to it) by kind, and all bodies on the wire against before zstd
+            "received_by_kind": summaries[0]["received_by_kind"], "wire_encoding": summaries[0].get("wire_encoding"),
             # per peer: pulls that waited for a replay before reading its replica copy, seconds waited
             "replay_waits": [[(s.get("rows") or {}).get("replay_waits"), (s.get("rows") or {}).get("replay_wait_s")]
                              for s in summaries]}

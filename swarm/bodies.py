@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-PROTOCOL_VERSION = 3  # 3: signed requests and member records, TLS with a secret; 2: task fingerprint
+PROTOCOL_VERSION = 4  # 4: zstd bodies (encoding.py); 3: signed requests and member records, TLS; 2: task fingerprint
 MSGPACK_TYPE = "application/msgpack"
 # A body up to this size is decoded on the event loop (~0.1-0.4 ms), not on a helper thread: a
 # thread hop (submit, wake, call back into the loop) costs about as much, and a step makes dozens.
@@ -30,6 +30,8 @@ class BadRequest(Exception):
 
 # request key: the body, once a middleware (authentication) has read it
 BODY = web.RequestKey("swarm_body", bytes) if hasattr(web, "RequestKey") else "swarm.body"
+# the body's size as it came over the wire (compressed, when it was: swarm/encoding.py)
+WIRE_BYTES = web.RequestKey("swarm_wire_bytes", int) if hasattr(web, "RequestKey") else "swarm.wire_bytes"
 # the authenticated sender's peer id (set by server.authenticate once a request's signature verified)
 SENDER = web.RequestKey("swarm_sender", str) if hasattr(web, "RequestKey") else "swarm.sender"
 

@@ -95,6 +95,10 @@ class PeerConfig:
     # rounds, int4 with --sync-every > 1 (pull_dtype)
     row_dtype: str = ""
     push_dtype: str = "int4"  # row gradients on the wire (and the replays to replicas)
+    # bodies this peer sends (requests, and replies to peers that accept it) zstd-compressed where
+    # that saves >= 3% (swarm/encoding.py): "zstd" or "none"; a peer's own choice, every peer
+    # decompresses either way
+    wire_compression: str = "zstd"
     prefetch: int = 1  # 1 = pull the next step's (window's first) rows while waiting for this step's round
     # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
     # this one computes (each row still pulled once a window)
@@ -236,6 +240,8 @@ class PeerConfig:
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
         need(0 <= self.held_rows <= 1 << 24, f"--held-rows must be in [0, 2**24] rows, got {self.held_rows}")
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
+        need(self.wire_compression in WIRE_COMPRESSIONS,
+             f"--wire-compression must be one of {', '.join(WIRE_COMPRESSIONS)}, got {self.wire_compression!r}")
         need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")
         need(0 <= self.push_window <= 5, f"--push-window must be in [0, 5] seconds, got {self.push_window}")
         # below the quarter of --round-timeout a pusher holds its payload for the answers (local_steps.py)
@@ -347,6 +353,7 @@ def field_names() -> list[str]:
 
 
 PUSH_ACKS = ("auto", "applied", "replicated")
+WIRE_COMPRESSIONS = ("zstd", "none")
 
 
 def parse_push_lead(raw: str) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from . import auth, checkpoint, credentials, divergence, evaluation, robust, roundbook, threads, tls
+from . import auth, checkpoint, credentials, divergence, encoding, evaluation, robust, roundbook, threads, tls
 from . import settings as swarm_settings
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
@@ -141,7 +141,7 @@ class Peer:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._outboxes: dict[str, asyncio.Queue] = {}
-        self.transport = Transport(self.counts)
+        self.transport = Transport(self.counts, compress=cfg.wire_compression == "zstd")
         self._exit.push_async_callback(self.transport.close)
         # background tasks whose failure was an event: by task name (/metrics swarm_task_failures)
         self.task_failures: collections.Counter[str] = collections.Counter()
@@ -295,7 +295,9 @@ class Peer:
 
             print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
         self.guard = guard_for(self)  # per-client limits (swarm/guard.py); None with --client-limits 0
-        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
+        # auto_decompress off: a compressed body is decompressed after its signature is checked,
+        # within its route's limit (server.authenticate, swarm/encoding.py)
+        self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False, auto_decompress=False)
         await self._runner.setup()
         self._exit.push_async_callback(self._runner.cleanup)
         port = self.cfg.port + genv.local_rank if genv is not None and self.cfg.port else self.cfg.port
@@ -456,6 +458,7 @@ class Peer:
     def _broadcast(self, enc: Encoded) -> None:
         """Queue the same bytes for every live peer; a full queue drops its oldest payload. The ranks
         of a host group other than its leader get nothing: they step on their leader's aggregate."""
+        wire: tuple[bytes, str | None] | None = None
         for pid in self.members.live_ids(include_self=False):
             m = self.members.get(pid)
             if m is None or PeerMeta.parse(m.meta).follower:
@@ -468,22 +471,25 @@ class Peer:
             if q.full():
                 q.get_nowait()
                 self.dropped_sends += 1
-            q.put_nowait(enc)
+            if wire is None:  # the same bytes to every peer: compressed once (~0.05 ms for 50 KB)
+                wire = encoding.compress(enc.blob) if self.transport.compress else (enc.blob, None)
+            q.put_nowait((enc, *wire))
 
     async def _sender(self, pid: str, addr: str, q: asyncio.Queue) -> None:
         """Deliver queued payloads to one peer in step order, each retried briefly on a transient refusal."""
         while not self._stop.is_set() and self._outboxes.get(pid) is q:
             try:
-                enc: Encoded = await asyncio.wait_for(q.get(), 1.0)
+                enc, body, content_encoding = await asyncio.wait_for(q.get(), 1.0)
             except asyncio.TimeoutError:
                 continue
             for attempt in range(SEND_ATTEMPTS):
                 try:
-                    await self.transport.request("POST", addr + "/v1/grads", to=pid, body=enc.blob, timeout=30.0,
-                                                 content_type="application/octet-stream",
-                                                 headers={HEADER: enc.mode}, kind="grads", reply_kind="control")
+                    await self.transport.request("POST", addr + "/v1/grads", to=pid, body=body, timeout=30.0,
+                                                 content_type="application/octet-stream", headers={HEADER: enc.mode},
+                                                 kind="grads", reply_kind="control", content_encoding=content_encoding,
+                                                 plain_bytes=len(enc.blob))
                     self.dense_bytes += enc.dense_bytes
-                    self.timeline.sent_to(pid, len(enc.blob))
+                    self.timeline.sent_to(pid, len(body))
                     break
                 except PeerUnreachable as e:
                     # It has not heard of us yet (membership still spreading), or it is unreachable for

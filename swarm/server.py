@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from . import auth, robust, roundbook, settings
+from . import auth, encoding, robust, roundbook, settings
 from .config import ConfigError
 from .codec import CodecError, HEADER, MODES, decode_payload
 from .codec.config import MAX_SPARSE_RATIO
@@ -23,8 +23,8 @@ from .replica import fingerprint_differs as task_differs
 from .tables.http import add_routes as add_table_routes
 from .tables.http import body_limits as table_body_limits
 from .status import routes as status_page
-from .bodies import (BODY, INLINE_BYTES, PROTOCOL_VERSION, SENDER, BadRequest, error_response, msgpack_response,
-                     read_body, unpack_map)
+from .bodies import (BODY, INLINE_BYTES, PROTOCOL_VERSION, SENDER, WIRE_BYTES, BadRequest, error_response,
+                     msgpack_response, read_body, unpack_map)
 
 if TYPE_CHECKING:
     from .node import Peer
@@ -116,6 +116,15 @@ async def authenticate(request: web.Request, handler):
     sender = verifier.verify(request.method, request.raw_path, auth.body_hash(body), request.headers, now, receivers)
     if sender is None:
         return _unauthorized()
+    request[WIRE_BYTES] = len(body)
+    if "Content-Encoding" in request.headers:  # after the signature, which covers the bytes as sent
+        try:
+            body = (encoding.decompress(body, request.headers["Content-Encoding"], body_limit(request))
+                    if len(body) <= INLINE_BYTES else
+                    await asyncio.to_thread(encoding.decompress, body, request.headers["Content-Encoding"],
+                                            body_limit(request)))
+        except encoding.EncodingError as e:
+            return error_response(e.reason, e.status, "encoding")
     request[BODY] = body
     request[SENDER] = sender
     resp = await handler(request)
@@ -242,7 +251,7 @@ async def grads(request: web.Request) -> web.Response:
         peer.rejected["sender"] += 1
         raise BadRequest(f"sender {decoded.sender[:16]!r} is not a live member of this swarm", 409,
                          code="unknown-sender")
-    verdict = peer.offer(decoded, len(body))
+    verdict = peer.offer(decoded, request.get(WIRE_BYTES, len(body)))  # (as it came over the wire)
     if verdict == robust.BANNED:
         peer.rejected["banned"] += 1
         raise BadRequest(f"sender {decoded.sender[:16]!r} is banned for now: its recent payloads were outliers or "
@@ -251,7 +260,7 @@ async def grads(request: web.Request) -> web.Response:
         peer.rejected[verdict] += 1
         raise BadRequest(f"payload for step {decoded.step} refused: {verdict} (this peer is at step {peer.book.step})",
                          409, code=verdict)
-    peer.counts.add_received("grads", len(body))
+    peer.counts.add_received("grads", request.get(WIRE_BYTES, len(body)), len(body))
     return web.json_response({"result": verdict, "step": peer.book.step})
 
 
@@ -260,16 +269,25 @@ async def state(request: web.Request) -> web.StreamResponse:
     peer = _peer(request)
     if not (peer.started and peer.active) and peer.book.step == 0:
         raise BadRequest("this peer has no state to give yet (not training)", 503)
-    blob = await peer.work(peer.replica.state_blob)
+    accept = request.headers.get("Accept-Encoding")
+    plain = 0
+
+    def packed() -> tuple[bytes, dict[str, str]]:
+        nonlocal plain
+        blob = peer.replica.state_blob()
+        plain = len(blob)
+        return encoding.reply(blob, accept, peer.transport.compress)
+
+    blob, headers = await peer.work(packed)
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
-                                       "X-Swarm-Step": str(peer.replica.step)})
+                                       "X-Swarm-Step": str(peer.replica.step), **headers})
     resp.content_length = len(blob)
     await resp.prepare(request)
     view = memoryview(blob)
     for i in range(0, len(blob), 1 << 20):
         await resp.write(view[i:i + (1 << 20)])
     await resp.write_eof()
-    peer.counts.add_sent("state", len(blob))
+    peer.counts.add_sent("state", len(blob), plain)
     return resp
 
 

@@ -17,9 +17,9 @@ from typing import Callable
 import aiohttp
 from yarl import URL
 
-from . import auth, tls
+from . import auth, encoding, tls
 from .auth import Signer
-from .bodies import MSGPACK_TYPE, pack, unpack_map
+from .bodies import INLINE_BYTES, MSGPACK_TYPE, pack, unpack_map
 
 
 class PeerUnreachable(Exception):
@@ -37,20 +37,35 @@ class PeerUnreachable(Exception):
 
 @dataclass
 class ByteCounts:
+    """Body bytes as they crossed the wire (compressed where they were), by kind; and, over all
+    kinds, what those bodies were before compression (``plain_*``: swarm/encoding.py)."""
+
     sent: dict[str, int] = field(default_factory=dict)  # by kind: "grads", "control", "state"
     received: dict[str, int] = field(default_factory=dict)
+    plain_sent: int = 0
+    plain_received: int = 0
 
-    def add_sent(self, kind: str, n: int) -> None:
+    def add_sent(self, kind: str, n: int, plain: int | None = None) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + n
+        self.plain_sent += n if plain is None else plain
 
-    def add_received(self, kind: str, n: int) -> None:
+    def add_received(self, kind: str, n: int, plain: int | None = None) -> None:
         self.received[kind] = self.received.get(kind, 0) + n
+        self.plain_received += n if plain is None else plain
+
+    def wire(self) -> dict[str, int]:
+        """All bodies sent and received, on the wire and before compression (the status's
+        ``wire_encoding``)."""
+        return {"sent": sum(self.sent.values()), "sent_plain": self.plain_sent,
+                "received": sum(self.received.values()), "received_plain": self.plain_received}
 
 
 class Transport:
-    def __init__(self, counts: ByteCounts, headers: dict[str, str] | None = None):
+    def __init__(self, counts: ByteCounts, headers: dict[str, str] | None = None, compress: bool = True):
         self.counts = counts
-        self.headers = headers or {}
+        # every reply may come zstd-compressed: this side decompresses it (within the reply's limit)
+        self.headers = {"Accept-Encoding": encoding.ZSTD, **(headers or {})}
+        self.compress = compress  # request bodies compressed where it pays (--wire-compression)
         self.signer: Signer | None = None  # the peer's key: every request is signed (set at start)
         self.secret: str | None = None  # checks a first contact's certificate proof (TLS)
         # peer id -> the SHA-256 fingerprint (hex) of its certificate, from its signed member record
@@ -66,6 +81,7 @@ class Transport:
                 connector=aiohttp.TCPConnector(limit=64, limit_per_host=8),
                 headers=self.headers,
                 cookie_jar=aiohttp.DummyCookieJar(),  # peers set no cookies; filtering them costs per request
+                auto_decompress=False,  # replies are decompressed here, within their limit (encoding.py)
             )
         return self._session
 
@@ -87,16 +103,30 @@ class Transport:
     async def request(self, method: str, url: str, *, to: str, body: bytes | None = None, timeout: float,
                       content_type: str = MSGPACK_TYPE, headers: dict[str, str] | None = None,
                       reply_limit: int = 1 << 20, kind: str = "control", reply_kind: str | None = None,
-                      pin: bytes | None = None) -> bytes:
+                      pin: bytes | None = None, content_encoding: str | None = None,
+                      plain_bytes: int | None = None) -> bytes:
         """One call to the peer ``to`` (its id, or ``@HOST:PORT`` for a first contact: auth.address_name);
         returns the reply body (at most ``reply_limit`` bytes) or raises PeerUnreachable.
 
         Over https the receiver's certificate must match ``pin`` or the fingerprint its member record
         carries; a first contact without either pins what the receiver presents and requires the
         reply to prove it under the secret. The body's bytes are counted as ``kind``, the reply's as
-        ``reply_kind`` (default: the same)."""
+        ``reply_kind`` (default: the same), as they cross the wire.
+
+        The body goes zstd-compressed where that pays (``compress``: swarm/encoding.py), unless it
+        already is in ``content_encoding`` (of ``plain_bytes`` before: a payload sent to several
+        peers is compressed once); a compressed reply is decompressed within ``reply_limit``."""
         addr = url.split("/v1/")[0]
         hdrs = {"Content-Type": content_type, **(headers or {})} if body is not None else dict(headers or {})
+        plain = 0 if body is None else len(body)
+        if content_encoding is not None:
+            hdrs["Content-Encoding"] = content_encoding
+            plain = plain if plain_bytes is None else plain_bytes
+        elif body is not None and self.compress:
+            # (on the loop up to INLINE_BYTES: ~0.1 ms per 100 KB, what a thread hop costs)
+            body, enc = encoding.compress(body) if plain <= INLINE_BYTES else await asyncio.to_thread(encoding.compress, body)
+            if enc is not None:
+                hdrs["Content-Encoding"] = enc
         proven: str | None = None  # the fingerprint (hex) a first contact's reply must prove
         try:
             target = URL(url)
@@ -115,7 +145,7 @@ class Transport:
             async with self.session.request(method, url, data=body, headers=hdrs, ssl=ssl_arg,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if body is not None:
-                    self.counts.add_sent(kind, len(body))
+                    self.counts.add_sent(kind, len(body), plain)
                 if r.content_length is not None and r.content_length > reply_limit:
                     raise PeerUnreachable(addr, f"reply of {r.content_length} bytes is over {reply_limit}", r.status)
                 data = bytearray()
@@ -123,7 +153,16 @@ class Transport:
                     data += chunk
                     if len(data) > reply_limit:
                         raise PeerUnreachable(addr, f"reply over {reply_limit} bytes", r.status)
-                self.counts.add_received(reply_kind or kind, len(data))
+                wire = len(data)
+                enc = r.headers.get("Content-Encoding")
+                if enc is not None:
+                    try:
+                        data = (encoding.decompress(bytes(data), enc, reply_limit) if wire <= INLINE_BYTES
+                                else await asyncio.to_thread(encoding.decompress, bytes(data), enc, reply_limit))
+                    except encoding.EncodingError as e:
+                        self.counts.add_received(reply_kind or kind, wire)
+                        raise PeerUnreachable(addr, f"reply: {e.reason}", r.status, code="encoding") from None
+                self.counts.add_received(reply_kind or kind, wire, len(data))
                 if r.status >= 400:  # (an unproven refusal can only make us give up, never change state)
                     reason, code, ours = _reason(data)
                     raise PeerUnreachable(addr, reason or f"HTTP {r.status}", r.status, code, foreign=not ours)

@@ -72,6 +72,8 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "row_bytes_received": peer.counts.received.get("rows", 0) + peer.counts.received.get("replica", 0),
         "sent_by_kind": dict(peer.counts.sent),  # request bodies this peer sent, by kind
         "received_by_kind": dict(peer.counts.received),  # reply bodies it received (rows served to it)
+        # all bodies as they crossed the wire and before zstd (swarm/encoding.py, --wire-compression)
+        "wire_encoding": peer.counts.wire(),
         "rows": peer.table_client.status() if peer.table_client else None,
         "pull_latency_ms": peer.table_client.stats.percentiles() if peer.table_client else None,
         "step_phases": peer.step_times.report(),
@@ -128,6 +130,7 @@ def status(peer: "Peer") -> dict:
         "members": members,
         "bytes_sent": dict(peer.counts.sent),
         "bytes_received": dict(peer.counts.received),
+        "wire_encoding": {**peer.counts.wire(), "compress": peer.cfg.wire_compression},
         "dense_bytes": peer.dense_bytes,
         "compression_ratio": (p.dense_equiv / p.wire_bytes) if p.wire_bytes else None,
         "rounds": vars(peer.book.stats).copy(),

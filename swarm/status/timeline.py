@@ -80,7 +80,7 @@ class Link:
     rtt: float | None = None  # seconds, smoothed (EWMA) over successful pings
     last_seen: float | None = None  # time.monotonic() of the last ack or accepted payload from it
     bytes_in: int = 0  # gradient payload bytes it sent us (accepted or not, counted per request)
-    bytes_out: int = 0  # gradient payload bytes we delivered to it
+    bytes_out: int = 0  # gradient payload bytes we delivered to it (on the wire: zstd where it paid)
     payloads_in: int = 0
 
 

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from .. import robust
+from .. import encoding, robust
 from ..transport import PeerUnreachable, Transport
-from ..bodies import INLINE_BYTES, SENDER, BadRequest, msgpack_response, pack, read_body, unpack_map
+from ..bodies import INLINE_BYTES, MSGPACK_TYPE, SENDER, BadRequest, msgpack_response, pack, read_body, unpack_map
 from .audit import MAX_DIGESTS, Digest, ReplicaAudit
 from .handoff import DEADLINE_S, Done, HandoffPlan, Sleep
 from .owed import Debt, OwedRows
@@ -1001,14 +1001,17 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
         except WireError as e:
             raise BadRequest(f"bad pull request: {e}") from None
 
-        def serve() -> bytes:
-            return encode_rows(peer.tables.serve_pull(req), req.dtype, req.tags)
+        accept = request.headers.get("Accept-Encoding")
+
+        def serve() -> tuple[bytes, dict[str, str]]:
+            data = encode_rows(peer.tables.serve_pull(req), req.dtype, req.tags)
+            return encoding.reply(data, accept, peer.transport.compress)  # (here, off the loop)
 
         try:
-            data = await peer.table_work(serve)
+            data, headers = await peer.table_work(serve)
         except (Fenced, Moving, NotPrimary, ShardError) as e:
             raise _service_errors(e) from None
-        return web.Response(body=data, content_type="application/octet-stream")
+        return web.Response(body=data, content_type="application/octet-stream", headers=headers)
 
     async def decoded_then_applied(request: web.Request, route: str, what: str, decode, apply):
         """The shared path of the write routes: bounded read, then ``apply(peer, decode(body, peer))``
@@ -1094,7 +1097,13 @@ def add_routes(app: web.Application, get_peer: Callable[[web.Request], object]) 
                     out.append(None)  # no copy to give (yet): the asker tries the other owners
             return out
 
-        return msgpack_response({"slots": await peer.table_work(export)})
+        accept = request.headers.get("Accept-Encoding")
+
+        def export_packed() -> tuple[bytes, dict[str, str]]:  # slots of fresh rows are mostly zeros
+            return encoding.reply(pack({"slots": export()}), accept, peer.transport.compress)
+
+        data, headers = await peer.table_work(export_packed)
+        return web.Response(body=data, content_type=MSGPACK_TYPE, headers=headers)
 
     async def digests(request: web.Request) -> web.Response:
         peer = ready(request)

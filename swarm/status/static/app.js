@@ -242,8 +242,11 @@ function render(s) {
   $("c-ratio").textContent = s.compression_ratio ? "×" + s.compression_ratio.toFixed(0) : "–";
   $("c-ratio-sub").textContent = s.compression || "";
   $("c-wire").textContent = fmtBytes(sum(s.bytes_sent)) + " ↑";
+  const we = s.wire_encoding;  // bodies on the wire against before zstd (--wire-compression)
+  const plain = we ? we.sent_plain + we.received_plain : 0;
   $("c-wire-sub").textContent = `${fmtBytes(sum(s.bytes_received))} ↓ received` +
-    (s.bytes_per_sample ? ` · ${fmtBytes(s.bytes_per_sample)} sent per sample` : "");
+    (s.bytes_per_sample ? ` · ${fmtBytes(s.bytes_per_sample)} sent per sample` : "") +
+    (plain > 0 ? ` · zstd saved ${(100 * (1 - (we.sent + we.received) / plain)).toFixed(0)}%` : "");
   $("c-wire-sub").title = `dense fp32 to the same peers: ${fmtBytes(s.dense_bytes)}`;
   const pl = s.pull_latency_ms;
   $("pull").textContent = pl ? `p50 ${fmt(pl.p50, 1)} ms · p95 ${fmt(pl.p95, 1)} ms` : "not enabled";
