@@ -64,6 +64,15 @@ def small_cfg(**kw) -> PeerConfig:
     return PeerConfig(**{**SMALL, **kw})
 
 
+@pytest.fixture
+async def small_peer():
+    """One started peer of small_cfg(), in no swarm (its routes are called directly); closed after."""
+    p = Peer(small_cfg(), out=lambda line: None)
+    await p.start()
+    yield p
+    await p.close()
+
+
 def small_replica():
     """A replica of the built-in task at small_cfg(), on the whole corpus (shard 0 of 1)."""
     from swarm.replica import Replica

@@ -96,11 +96,8 @@ def member_key(name: str) -> PeerKey:
 
 
 @pytest.fixture
-async def peer():
-    p = Peer(small_cfg(), out=lambda line: None)
-    await p.start()
-    yield p
-    await p.close()
+def peer(small_peer):
+    return small_peer
 
 
 async def post(p: Peer, path: str, body: bytes, headers: dict, key: PeerKey):

@@ -18,17 +18,13 @@ from swarm.membership import Membership
 from swarm.node import Peer
 from swarm.bodies import PROTOCOL_VERSION
 
-from .conftest import small_cfg
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-async def peer():
-    p = Peer(small_cfg(), out=lambda line: None)
-    await p.start()
-    yield p
-    await p.close()
+def peer(small_peer):
+    return small_peer
 
 
 def snapshot(p: Peer) -> dict[str, torch.Tensor]:
