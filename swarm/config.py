@@ -103,6 +103,9 @@ class PeerConfig:
     # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
     # this one computes (each row still pulled once a window)
     row_lookahead: int = 4
+    # with --sync-every > 1: the inner steps whose rows one pull asks for together (each request
+    # costs CPU at both ends; a peer's own choice)
+    pull_steps: int = 2
     # with --sync-every > 1: rows of the last window kept with their tags, so that a pull asks their
     # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
     held_rows: int = 1 << 17
@@ -240,6 +243,7 @@ class PeerConfig:
         need(self.prefetch in (0, 1), f"--prefetch must be 0 or 1, got {self.prefetch}")
         need(0 <= self.held_rows <= 1 << 24, f"--held-rows must be in [0, 2**24] rows, got {self.held_rows}")
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
+        need(1 <= self.pull_steps <= 64, f"--pull-steps must be in 1..64 inner steps, got {self.pull_steps}")
         need(self.wire_compression in WIRE_COMPRESSIONS,
              f"--wire-compression must be one of {', '.join(WIRE_COMPRESSIONS)}, got {self.wire_compression!r}")
         need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from .codec import Encoded
 from .core import cadence
@@ -33,6 +35,14 @@ from .core import cadence
 if TYPE_CHECKING:
     from .node import Peer
     from .roles import Role
+
+
+class Ahead(NamedTuple):
+    """An inner step of the window ahead: its batch and the pull its rows come in (a pull may
+    serve several steps: --pull-steps)."""
+    pulled: asyncio.Future
+    batch: Any
+    want: dict
 
 
 class LocalSteps:
@@ -54,8 +64,8 @@ class LocalSteps:
         # whether their row pushes said so (else their payloads)
         self.others_done: dict[int, tuple[float, bool]] = {}
         # the next window's first batch, its rows' pull started once our pushes of this one were
-        # answered, so that it travels while the round completes: (that window, the pull's future)
-        self.first: tuple[int, asyncio.Future] | None = None
+        # answered, so that it travels while the round completes: (that window, its first step)
+        self.first: tuple[int, Ahead] | None = None
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -88,7 +98,7 @@ class LocalSteps:
         # the rows of the next --row-lookahead inner steps travel while this one computes: a
         # window's first steps need the most new rows, more than one step's compute hides on a slow
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
-        ahead: deque[asyncio.Future] = deque()  # the next steps' batches, their rows' pulls started
+        ahead: deque[Ahead] = deque()  # the next steps' batches, their rows' pulls started
         if self.first is not None and self.first[0] == w:  # begun at the end of the last window (_begin_next)
             ahead.append(self.first[1])
             self.first = None
@@ -101,11 +111,11 @@ class LocalSteps:
                     return False
                 clock.start()
                 if not ahead:  # the window's first step
-                    ahead.append(await self._next_batch(role))
-                batch, want = await ahead.popleft()  # in order: rows an earlier pull claimed are in
+                    ahead.extend(await self._next_batch(role))
+                pulled, batch, want = ahead.popleft()
+                await pulled  # in order: rows an earlier pull claimed are in
                 clock.mark("rows")
-                while len(ahead) < min(h - i - 1, peer.cfg.row_lookahead):
-                    ahead.append(await self._next_batch(role))
+                ahead.extend(await self._refill(role, len(ahead), h - i - 1))
                 # the swarm's inner step this one stands for (a short window's steps spread over its H)
                 peer.inner_step = w * self.h + (i + 1) * self.h // h
                 stats = await peer.work(self._inner, batch, want)
@@ -130,9 +140,10 @@ class LocalSteps:
                     clock.end()
                     peer.maybe_print()
         finally:
-            for fut in ahead:
+            pulls = list({id(a.pulled): a.pulled for a in ahead}.values())  # a pull serves several steps
+            for fut in pulls:
                 fut.cancel()
-            await asyncio.gather(*ahead, return_exceptions=True)
+            await asyncio.gather(*pulls, return_exceptions=True)
         peer.window_steps = h
         if not last:  # the run's last window always pushes at its end: the summary says what the others did
             peer.push_lead = lead if pushed_early else 0
@@ -201,17 +212,17 @@ class LocalSteps:
         we did not push to, or a flush that went without a late pusher, may serve a row without
         that delta, as any pull may when a push is late. The outer step does not touch the rows."""
         await self._new_window_rows()
-        fut = await self._next_batch(role)
-        self.first = (w, fut)
-        await role.prefetch_started(fut)  # a host group: its collectives before the round's
+        first = (await self._next_batch(role))[0]
+        self.first = (w, first)
+        await role.prefetch_started(first.pulled)  # a host group: its collectives before the round's
 
     async def drop_next(self) -> None:
         """Cancel the next window's first pull (_begin_next) when it will not be used: a re-sync, a
         stop, a window other than the one it was begun for."""
         first, self.first = self.first, None
         if first is not None:
-            first[1].cancel()
-            await asyncio.gather(first[1], return_exceptions=True)
+            first[1].pulled.cancel()
+            await asyncio.gather(first[1].pulled, return_exceptions=True)
 
     def _contributors(self) -> int:
         """P, the swarm's contributors: each peer's row delta counts 1/P, so a row's update is the
@@ -273,21 +284,40 @@ class LocalSteps:
                 return min(h - 1, cadence.push_lead(h, [e - started for e in ends], landed - sent))
         return 0
 
-    async def _next_batch(self, role: "Role") -> asyncio.Future:
-        """Sample the next batch now (training thread) and start pulling the rows of it that this
-        window has neither pulled nor claimed yet; the future is done once they are in the working
-        copy (rows an earlier, unfinished pull claimed are in once that pull's future is done)."""
-        peer = self.peer
-        batch, want = await peer.sample_batch()
-        need = await peer.work(peer.window_rows.claim, want)
+    async def _refill(self, role: "Role", queued: int, left: int) -> list[Ahead]:
+        """The inner steps whose rows to start pulling now, with ``queued`` steps' pulls started
+        and ``left`` steps of the window after this one: up to --row-lookahead steps ahead, in
+        pulls of --pull-steps steps each (the window's last ones may be fewer), so none while fewer
+        than that are free."""
+        group, out = min(self.peer.cfg.pull_steps, self.peer.cfg.row_lookahead), []
+        room = min(left, self.peer.cfg.row_lookahead) - queued
+        while room > 0 and (room >= group or queued + len(out) + room == left):
+            n = min(room, group)
+            out += await self._next_batch(role, n)
+            room -= n
+        return out
 
-        async def pull() -> tuple[Any, dict]:
+    async def _next_batch(self, role: "Role", n: int = 1) -> list[Ahead]:
+        """Sample the next ``n`` batches now (training thread) and start one pull of their rows
+        that this window has neither pulled nor claimed yet; its future is done once they are in
+        the working copy (rows an earlier, unfinished pull claimed are in once that pull's future
+        is done). One pull for several steps because a request costs CPU at both ends (HTTP,
+        authentication, the owner's table work) on the cores the inner steps share."""
+        peer = self.peer
+        batches, need = [], {}
+        for _ in range(n):
+            batch, want = await peer.sample_batch()
+            batches.append((batch, want))
+            for t, ids in (await peer.work(peer.window_rows.claim, want)).items():
+                need[t] = np.union1d(need[t], ids) if t in need else ids  # each id claimed once: disjoint
+
+        async def pull() -> None:
             if any(len(ids) for ids in need.values()):
                 got, absent = await role.pull(need)
                 await peer.work(peer.window_rows.add, need, got, absent)
-            return batch, want
 
-        return asyncio.ensure_future(pull())
+        pulled = asyncio.ensure_future(pull())
+        return [Ahead(pulled, batch, want) for batch, want in batches]
 
     def steps_for(self, w: int) -> int:
         """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py

@@ -386,17 +386,18 @@ async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_
         assert at[p.id] == [4 * w + 2 for w in range(5)] + [24], at[p.id]
 
 
-@pytest.mark.parametrize("lookahead", [1, 3])
-async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_each_once(lookahead):
-    """--row-lookahead L: before inner step i of a window computes, the batches of steps up to
-    i + L are sampled and their rows asked for; no row is pulled twice in a window (WindowRows.add
-    refuses it) and the replicas agree as with L = 1."""
-    h = 4
-    kw = dict(steps=12, min_peers=2, sync_every=h, row_lookahead=lookahead)
+@pytest.mark.parametrize("lookahead,group", [(1, 1), (3, 1), (3, 2), (4, 4)])
+async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_each_once(lookahead, group):
+    """--row-lookahead L, --pull-steps G: before inner step i of a window computes, the batches of
+    steps up to i + L are sampled (i + L - G + 1 at least: a pull waits until G steps are free) and
+    their rows asked for, G steps' in one pull (the window's last ones may be fewer); no row is
+    pulled twice in a window (WindowRows.add refuses it) and the replicas agree as with L = 1."""
+    h, steps = 8, 16
+    kw = dict(steps=steps, min_peers=2, sync_every=h, row_lookahead=lookahead, pull_steps=group)
     a = await _start(**kw)
     b = await _start(join=f"127.0.0.1:{a.port}", **kw)
-    sampled, seen = [0], []
-    real_sample, real_inner = b.sample_batch, b.replica.inner_step
+    sampled, seen, pulls = [0], [], []
+    real_sample, real_inner, real_pull = b.sample_batch, b.replica.inner_step, b.table_client.pull
 
     async def sample():
         sampled[0] += 1
@@ -406,19 +407,32 @@ async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_e
         seen.append((b.inner_step, sampled[0]))
         return real_inner(*args)
 
-    b.sample_batch, b.replica.inner_step = sample, inner
+    async def pull(want, *args, **kw):
+        pulls.append(sampled[0])
+        return await real_pull(want, *args, **kw)
+
+    b.sample_batch, b.replica.inner_step, b.table_client.pull = sample, inner, pull
     try:
         results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
     finally:
         for p in (a, b):
             await p.close()
-    assert [s for s, _ in seen] == list(range(1, 13))
+    assert [s for s, _ in seen] == list(range(1, steps + 1))
+    g = min(group, lookahead)
     for step, n in seen:  # step is 1-based across windows
         w, i = divmod(step - 1, h)
-        assert n == w * h + min(h, i + 1 + lookahead), (step, n)
+        assert w * h + min(h, i + 1 + lookahead - (g - 1)) <= n <= w * h + min(h, i + 1 + lookahead), (step, n)
+        if g == 1:
+            assert n == w * h + min(h, i + 1 + lookahead), (step, n)
+    # a pull of G steps is started after its G batches are sampled: the window's first step alone,
+    # then groups of G (at least one pull a step with G = 1), the window's tail in fewer
+    per_window = 1 + -(-(h - 1) // g)
+    assert len(pulls) <= (steps // h) * per_window + 1, pulls  # + a pull of a window begun at the end
+    if g > 1:
+        assert len(pulls) < (steps // h) * h, pulls
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert results[0]["param_sketch"] == results[1]["param_sketch"]
-    assert all(r["rounds_timed_out"] == 0 and r["steps"] == 12 for r in results)
+    assert all(r["rounds_timed_out"] == 0 and r["steps"] == steps for r in results)
 
 
 @pytest.mark.parametrize("prefetch", [1, 0])
