@@ -24,6 +24,7 @@ from aiohttp import web
 
 from . import auth, checkpoint, credentials, divergence, encoding, evaluation, robust, roundbook, threads, tls
 from . import settings as swarm_settings
+from .allocator import release_free
 from .codec import CodecConfig, Compressor, Encoded, HEADER
 from .config import ConfigError, PeerConfig, bracket_host, parse_hostport
 from .core import rounds
@@ -512,6 +513,9 @@ class Peer:
             self.lifecycle.to(State.FINISHING, time.monotonic())
             if self.replica.step > 0 or self.cfg.steps:
                 await self._settle_rows()
+                # training's freed heap back to the kernel before the evaluation and the sketch
+                # allocate on top of it, where a peer's resident size peaks (swarm/allocator.py)
+                await self.work(release_free)
                 await self._evaluate_now()
             sketch = self.last_sketch = await self.work(self.replica.sketch)
             if self.cfg.checkpoint and self.replica.step > 0:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.allocator import keep_freed_memory
+from swarm.allocator import keep_freed_memory, release_free
 
 ROOT = Path(__file__).resolve().parent.parent
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
@@ -42,3 +42,41 @@ def test_training_steps_stop_faulting_pages_in():
                          capture_output=True, text=True, timeout=180, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["train"]["faults"] < 400 and res["adam"]["faults"] < 20, res
+
+
+TRIM_CHILD = r"""
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from swarm.allocator import keep_freed_memory, release_free
+assert keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+blocks = [libc.malloc(1 << 16) for _ in range(3200)]   # 200 MiB of heap, each block written
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 16)
+for b in blocks[:-1]:   # all freed but the last: the heap's top stays in use, the rest is free inside it
+    libc.free(b)
+before = rss_mb()
+released = release_free()
+print(before, rss_mb(), released)
+"""
+
+
+@glibc
+def test_free_heap_pages_go_back_to_the_kernel_once_released():
+    """With the thresholds pinned, freed memory stays resident (the point of them); release_free
+    hands the free pages back, those inside the heap too (a block in use at its top keeps it)."""
+    out = subprocess.run([sys.executable, "-c", TRIM_CHILD, str(ROOT)], capture_output=True, text=True,
+                         timeout=60, check=True)
+    before, after, released = out.stdout.split()
+    assert float(before) - float(after) > 150, out.stdout
+    assert released == "True"
+
+
+def test_without_malloc_trim_nothing_is_released():
+    assert release_free("libdoes-not-exist.so.9") is False

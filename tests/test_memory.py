@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from swarm import node
 from swarm.allocator import limit_arenas
+from swarm.node import Peer
+
+from .conftest import small_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
@@ -88,3 +92,27 @@ async def test_peers_on_the_default_task_never_import_torch_dynamo(spawn, tmp_pa
         line = [ln for ln in p.stderr_tail().splitlines() if ln.startswith("modules at exit: ")][-1]
         assert json.loads(line.removeprefix("modules at exit: ")) == {
             "torch._dynamo": False, "torch._inductor": False, "sympy": False}
+
+
+async def test_a_peer_hands_its_free_heap_back_once_before_its_final_evaluation(monkeypatch):
+    """The final evaluation and the sketch allocate where a peer's RSS peaks: the free heap that
+    training left goes back to the kernel first (swarm/allocator.py release_free), once, not
+    during the steps (they would fault it in again)."""
+    seen: list[str] = []
+    monkeypatch.setattr(node, "release_free", lambda: seen.append(f"trim after {peer.replica.step}") or True)
+    peer = Peer(small_cfg(steps=3, min_peers=1), out=lambda line: None)
+    real_eval = peer._evaluate_now
+
+    async def evaluate(*a, **kw):
+        seen.append("evaluate")
+        return await real_eval(*a, **kw)
+
+    peer._evaluate_now = evaluate
+    await peer.start()
+    try:
+        summary = await asyncio.wait_for(peer.run(), 120)
+    finally:
+        await peer.close()
+    assert summary["steps"] == 3
+    assert seen[-2:] == ["trim after 3", "evaluate"] and seen.count("trim after 3") == 1, seen
+    assert not any(s.startswith("trim") for s in seen[:-2]), seen
