@@ -101,13 +101,13 @@ async def test_a_peer_hands_its_free_heap_back_once_before_its_final_evaluation(
     seen: list[str] = []
     monkeypatch.setattr(node, "release_free", lambda: seen.append(f"trim after {peer.replica.step}") or True)
     peer = Peer(small_cfg(steps=3, min_peers=1), out=lambda line: None)
-    real_eval = peer._evaluate_now
+    real_eval = peer.evaluate
 
     async def evaluate(*a, **kw):
         seen.append("evaluate")
         return await real_eval(*a, **kw)
 
-    peer._evaluate_now = evaluate
+    peer.evaluate = evaluate
     await peer.start()
     try:
         summary = await asyncio.wait_for(peer.run(), 120)
