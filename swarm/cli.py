@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
       "and no --overlap: the next window's first rows, once this window's row pushes are answered; default 1)")
     a("--row-lookahead", type=int, help="with --sync-every > 1: pull the rows of this many inner steps ahead while "
       f"one computes (each row once a window; default {d.row_lookahead})")
-    a("--pull-steps", type=int, help="with --sync-every > 1: the inner steps whose rows one pull asks for together, "
-      f"at most --row-lookahead (fewer requests, less CPU on both ends; default {d.pull_steps})")
+    a("--pull-steps", type=int, help="with --sync-every > 1: the most inner steps whose rows one pull asks for "
+      "together, at most --row-lookahead; a window's pulls ramp up to it: 2, 3, ... steps (fewer requests, less CPU "
+      f"on both ends; default {d.pull_steps})")
     a("--push-lead", type=_auto_or(parse_push_lead, "inner steps"), help="with --sync-every > 1: send a window's row deltas this many inner steps "
       "before its end, so they travel while its last steps compute; those steps' row deltas go with the next "
       "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took (not the time "

@@ -102,10 +102,11 @@ class PeerConfig:
     prefetch: int = 1  # 1 = pull the next step's (window's first) rows while waiting for this step's round
     # with --sync-every > 1: the inner steps ahead whose batches are sampled and rows pulled while
     # this one computes (each row still pulled once a window)
-    row_lookahead: int = 4
-    # with --sync-every > 1: the inner steps whose rows one pull asks for together (each request
-    # costs CPU at both ends; a peer's own choice)
-    pull_steps: int = 2
+    row_lookahead: int = 8
+    # with --sync-every > 1: the most inner steps whose rows one pull asks for together (each
+    # request costs CPU at both ends; a window's pulls ramp up to it, core/cadence.py pull_group;
+    # a peer's own choice)
+    pull_steps: int = 4
     # with --sync-every > 1: rows of the last window kept with their tags, so that a pull asks their
     # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
     held_rows: int = 1 << 17

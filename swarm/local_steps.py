@@ -66,6 +66,8 @@ class LocalSteps:
         # the next window's first batch, its rows' pull started once our pushes of this one were
         # answered, so that it travels while the round completes: (that window, its first step)
         self.first: tuple[int, Ahead] | None = None
+        # pulls this window's steps after its first have started (_refill): their size ramps up
+        self.pulls = 0
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -99,6 +101,7 @@ class LocalSteps:
         # window's first steps need the most new rows, more than one step's compute hides on a slow
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
         ahead: deque[Ahead] = deque()  # the next steps' batches, their rows' pulls started
+        self.pulls = 0
         if self.first is not None and self.first[0] == w:  # begun at the end of the last window (_begin_next)
             ahead.append(self.first[1])
             self.first = None
@@ -287,13 +290,17 @@ class LocalSteps:
     async def _refill(self, role: "Role", queued: int, left: int) -> list[Ahead]:
         """The inner steps whose rows to start pulling now, with ``queued`` steps' pulls started
         and ``left`` steps of the window after this one: up to --row-lookahead steps ahead, in
-        pulls of --pull-steps steps each (the window's last ones may be fewer), so none while fewer
-        than that are free."""
-        group, out = min(self.peer.cfg.pull_steps, self.peer.cfg.row_lookahead), []
+        pulls of a ramp of steps each (cadence.pull_group: 2, 3, ... up to --pull-steps; the
+        window's last ones may be fewer), none while fewer than the next pull's steps are free."""
+        out: list[Ahead] = []
         room = min(left, self.peer.cfg.row_lookahead) - queued
-        while room > 0 and (room >= group or queued + len(out) + room == left):
+        while room > 0:
+            group = cadence.pull_group(self.pulls, self.peer.cfg.pull_steps, self.peer.cfg.row_lookahead)
+            if room < group and queued + len(out) + room != left:
+                break
             n = min(room, group)
             out += await self._next_batch(role, n)
+            self.pulls += 1
             room -= n
         return out
 

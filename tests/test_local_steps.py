@@ -17,6 +17,7 @@ from swarm import settings
 from swarm.cli import parse_config
 from swarm.codec import CodecConfig, Compressor
 from swarm.config import ConfigError, PeerConfig
+from swarm.core import cadence
 from swarm.node import Peer
 from swarm.outer import OuterConfig, OuterOptimizer
 from swarm.replica import Replica, StateError
@@ -386,12 +387,13 @@ async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_
         assert at[p.id] == [4 * w + 2 for w in range(5)] + [24], at[p.id]
 
 
-@pytest.mark.parametrize("lookahead,group", [(1, 1), (3, 1), (3, 2), (4, 4)])
+@pytest.mark.parametrize("lookahead,group", [(1, 1), (3, 1), (3, 2), (4, 4), (8, 4)])
 async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_each_once(lookahead, group):
     """--row-lookahead L, --pull-steps G: before inner step i of a window computes, the batches of
     steps up to i + L are sampled (i + L - G + 1 at least: a pull waits until G steps are free) and
-    their rows asked for, G steps' in one pull (the window's last ones may be fewer); no row is
-    pulled twice in a window (WindowRows.add refuses it) and the replicas agree as with L = 1."""
+    their rows asked for, in pulls of 2, 3, ... up to G steps (cadence.pull_group; the window's
+    last ones may be fewer); no row is pulled twice in a window (WindowRows.add refuses it) and
+    the replicas agree as with L = 1."""
     h, steps = 8, 16
     kw = dict(steps=steps, min_peers=2, sync_every=h, row_lookahead=lookahead, pull_steps=group)
     a = await _start(**kw)
@@ -424,9 +426,12 @@ async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_e
         assert w * h + min(h, i + 1 + lookahead - (g - 1)) <= n <= w * h + min(h, i + 1 + lookahead), (step, n)
         if g == 1:
             assert n == w * h + min(h, i + 1 + lookahead), (step, n)
-    # a pull of G steps is started after its G batches are sampled: the window's first step alone,
-    # then groups of G (at least one pull a step with G = 1), the window's tail in fewer
-    per_window = 1 + -(-(h - 1) // g)
+    # a pull is started after its batches are sampled: the window's first step alone, then pulls
+    # of the ramp's steps (at least one pull a step with G = 1), only the window's tail in fewer
+    per_window, covered = 1, 0
+    while covered < h - 1:
+        covered += cadence.pull_group(per_window - 1, group, lookahead)
+        per_window += 1
     assert len(pulls) <= (steps // h) * per_window + 1, pulls  # + a pull of a window begun at the end
     if g > 1:
         assert len(pulls) < (steps // h) * h, pulls

@@ -124,6 +124,16 @@ def test_a_window_is_cut_when_the_others_are_in_with_enough_of_it_left():
     assert not cut(32, 0, True) and not cut(32, 32, True)  # at least one step, and not past the end
 
 
+def test_a_windows_pulls_ramp_up_to_pull_steps_within_the_lookahead():
+    # a window's first pulls are small (its first steps bring most of its new rows), later ones
+    # take --pull-steps steps each; never more than --row-lookahead, never fewer than one
+    assert [cadence.pull_group(k, 4, 8) for k in range(5)] == [2, 3, 4, 4, 4]
+    assert [cadence.pull_group(k, 2, 4) for k in range(3)] == [2, 2, 2]  # the default before the ramp
+    assert [cadence.pull_group(k, 1, 4) for k in range(3)] == [1, 1, 1]
+    assert [cadence.pull_group(k, 8, 3) for k in range(3)] == [2, 3, 3]
+    assert cadence.pull_group(0, 4, 1) == 1
+
+
 def test_windows_fit_the_others_only_when_they_start_together():
     """The window rules compare a peer's window times with the others': only without --overlap do
     all windows start together (when a round is applied); --free-run 0 turns them off."""

@@ -128,6 +128,16 @@ def push_lead(h: int, ends: Sequence[float], push_s: float) -> int:
     return min(h // LEAD_SHARE, math.ceil(push_s / step_s))
 
 
+def pull_group(started: int, most: int, lookahead: int) -> int:
+    """Inner steps the next row pull of a window asks for, ``started`` pulls after its first
+    (--pull-steps ``most``, --row-lookahead ``lookahead``): 2, 3, ... up to the most. A window's
+    first steps bring most of its new rows (later ones mostly recur), so its first pulls are kept
+    small, as they are what its first steps wait for on a slow link; its later pulls carry few rows
+    each and cost mostly a request at both ends (CPU on cores the inner steps share), so they
+    take more steps each (docs/design.md "Tables in windows")."""
+    return max(1, min(most, lookahead, started + 2))
+
+
 def _median(xs) -> float | None:
     s = sorted(xs)
     return s[len(s) // 2] if s else None
