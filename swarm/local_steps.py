@@ -150,7 +150,6 @@ class LocalSteps:
         peer.window_steps = h
         if not last:  # the run's last window always pushes at its end: the summary says what the others did
             peer.push_lead = lead if pushed_early else 0
-        enc: Encoded = await peer.work(self._payload, w, h, samples)
         pushes = None
         if pushed_early:  # the steps since the early push: their row deltas go with the next window's
             await peer.work(rows.carry_tail, 1.0 / self._contributors())
@@ -162,6 +161,9 @@ class LocalSteps:
         held_s, landed = 0.0, False
         if rows_first and pushes is not None:
             await self._push(role, pushes, w)
+        # the payload is encoded while the pushes travel (it goes only once they are answered), so
+        # its encoding is not on the window's end
+        enc: Encoded = await peer.work(self._payload, w, h, samples)
         if rows_first:
             # the window's row deltas are applied (at their primaries) before its
             # payload goes: a peer has round w only once every contributor's pushes of window w

@@ -652,6 +652,43 @@ def test_row_ratio_pushes_the_largest_row_deltas_and_carries_the_rest_to_the_nex
     assert torch.allclose(total[2], torch.tensor([0.2, 0.0]), atol=1e-5)
 
 
+def test_window_rows_over_many_windows_push_exactly_the_deltas_plus_carries_a_reference_gives():
+    """Window after window (the buffers reused, WindowRows.clear), each push is, bit for bit, what a
+    plain reference gives: per stepped row, (as pulled - working copy) x scale plus what it carried,
+    the largest --row-ratio share by L2 norm sent, the rest carried; a row stepped in an earlier
+    window and not this one pushes nothing new, and a window's rows read back as pulled."""
+    rng = np.random.default_rng(7)
+    dim, rows_total, scale = 3, 40, 0.25
+    w = WindowRows({"t": dim}, RowOptConfig(kind="adam", lr=0.1), ratio=0.3)
+    carry: dict[int, torch.Tensor] = {}  # the reference's carried delta per id
+    for window in range(6):
+        if window:
+            w.clear()
+        n = [25, 6, 30, 12, 40, 3][window]  # windows larger and smaller than the buffers they reuse
+        ids = np.sort(rng.choice(rows_total, n, replace=False))
+        pulled = torch.from_numpy(rng.normal(size=(n, dim)).astype(np.float32))
+        w.add({"t": ids}, {"t": pulled}, {})
+        assert torch.equal(w.rows({"t": ids})["t"], pulled)
+        stepped = np.sort(rng.choice(ids, max(1, n // 2), replace=False))
+        for _ in range(2):
+            w.update({"t": (stepped, torch.from_numpy(rng.normal(size=(len(stepped), dim)).astype(np.float32)))})
+        now = w.rows({"t": stepped})["t"]
+        before = pulled[torch.from_numpy(np.searchsorted(ids, stepped))]
+        merged = {int(i): d for i, d in zip(stepped, (before - now) * scale)}
+        for i, c in carry.items():
+            merged[i] = merged[i] + c if i in merged else c
+        order = sorted(merged)
+        deltas = torch.stack([merged[i] for i in order])
+        k = max(1, int(np.ceil(0.3 * len(order))))
+        top = torch.argsort(deltas.norm(dim=1), descending=True, stable=True)[:k].tolist()
+        want_ids = sorted(order[j] for j in top)
+        got_ids, got = w.pushes(scale)["t"]
+        assert got_ids.tolist() == want_ids, window
+        assert torch.equal(got, torch.stack([merged[i] for i in want_ids])), window
+        carry = {i: merged[i] for i in order if i not in set(want_ids)}
+        assert sorted(carry) == w.carry["t"][0].tolist()
+
+
 def test_an_early_push_and_the_carried_tail_lose_no_row_delta_and_count_none_twice():
     """--push-lead: the deltas pushed before the window's end plus what carry_tail keeps are the
     window's whole deltas (with what earlier windows carried), row for row."""
