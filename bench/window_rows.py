@@ -39,6 +39,11 @@ def main() -> None:
     ap.add_argument("--ids-per-step", type=int, default=8192, help="ids a step's batch draws per table (before dedup)")
     ap.add_argument("--ratio", type=float, default=0.25, help="--row-ratio: the share of a window's row deltas pushed")
     a = ap.parse_args()
+    for name in ("rows", "dim", "tables", "sync_every", "windows", "ids_per_step"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not 0 < a.ratio <= 1:
+        ap.error(f"--ratio must be in (0, 1], got {a.ratio}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
