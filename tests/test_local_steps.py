@@ -733,8 +733,6 @@ def test_carry_tail_keeps_the_largest_carried_rows_within_the_cap():
 
 
 def test_push_lead_auto_covers_the_last_windows_pushes_within_a_quarter_window():
-    from swarm.core import cadence
-
     def push_lead(h: int, step_s: float, push_s: float) -> int:  # a window of h steps of step_s each
         return cadence.push_lead(h, [step_s * (i + 1) for i in range(h)], push_s)
 
