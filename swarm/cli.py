@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pull-steps", type=int, help="with --sync-every > 1: the most inner steps whose rows one pull asks for "
       "together, at most --row-lookahead; a window's pulls ramp up to it: 2, 3, ... steps (fewer requests, less CPU "
       f"on both ends; default {d.pull_steps})")
+    a("--early-step", type=int, help="with --sync-every > 1 (no --overlap, --prefetch 1): 1: take the next window's "
+      "first inner step while this window's end travels, on this peer's own model and rows, and carry its progress "
+      f"onto the new global model; 0: after the round (default {d.early_step})")
     a("--push-lead", type=_auto_or(parse_push_lead, "inner steps"), help="with --sync-every > 1: send a window's row deltas this many inner steps "
       "before its end, so they travel while its last steps compute; those steps' row deltas go with the next "
       "window's push. 0: at the window's end; auto: as many steps as the last window's pushes took (not the time "

@@ -107,6 +107,10 @@ class PeerConfig:
     # request costs CPU at both ends; a window's pulls ramp up to it, core/cadence.py pull_group;
     # a peer's own choice)
     pull_steps: int = 4
+    # with --sync-every > 1 (no --overlap, --prefetch 1): take the next window's first inner step
+    # while this window's end travels (its pushes applied, its round), on our own state, and carry
+    # its progress onto the new global model (local_steps.py; a peer's own choice; 0 = after the round)
+    early_step: int = 1
     # with --sync-every > 1: rows of the last window kept with their tags, so that a pull asks their
     # owners only for the rows that changed since (tables/held.py; 0 = every pull whole)
     held_rows: int = 1 << 17
@@ -245,6 +249,7 @@ class PeerConfig:
         need(0 <= self.held_rows <= 1 << 24, f"--held-rows must be in [0, 2**24] rows, got {self.held_rows}")
         need(1 <= self.row_lookahead <= 64, f"--row-lookahead must be in 1..64 inner steps, got {self.row_lookahead}")
         need(1 <= self.pull_steps <= 64, f"--pull-steps must be in 1..64 inner steps, got {self.pull_steps}")
+        need(self.early_step in (0, 1), f"--early-step must be 0 or 1, got {self.early_step}")
         need(self.wire_compression in WIRE_COMPRESSIONS,
              f"--wire-compression must be one of {', '.join(WIRE_COMPRESSIONS)}, got {self.wire_compression!r}")
         need(self.push_ack in PUSH_ACKS, f"--push-ack must be one of {', '.join(PUSH_ACKS)}, got {self.push_ack!r}")

@@ -8,7 +8,9 @@ window pulls rows with every peer's window ``w`` in them; with --push-lead L the
 before the window's end, so they travel while its last steps compute, and what those steps change
 joins the next window's push), and the round's aggregate is one outer step on the global vector
 (swarm/outer.py) that every peer applies alike; the next window's first rows are pulled
-while that round completes (--prefetch, _begin_next). A peer clearly slower
+while that round completes (--prefetch, _begin_next), and its first inner step is taken before
+it, on the peer's own model and rows, its progress carried onto the round's (--early-step,
+_early_step). A peer clearly slower
 than the others takes fewer than H inner steps, so that its windows end when theirs do, and its
 payload says the samples behind it (core/cadence.py window_steps; docs/design.md "Uneven peers in
 windows").
@@ -28,6 +30,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import torch
 
 from .codec import Encoded
 from .core import cadence
@@ -43,6 +46,19 @@ class Ahead(NamedTuple):
     pulled: asyncio.Future
     batch: Any
     want: dict
+
+
+class Early(NamedTuple):
+    """A window's first inner step, taken while the last window's end travelled (--early-step):
+    on the peer's own model and rows as that window left them, its progress carried onto the new
+    global model (Replica.resume_local) and the window's rows (WindowRows.add_progress)."""
+    window: int
+    started: float  # when it began (monotonic s): the window's start
+    ended: float
+    samples: int
+    want: dict  # {table: sorted-unique ids} its batch read
+    rows: dict  # {table: what it moved those rows by, fp32 in ids order}
+    dense: torch.Tensor  # what it moved the local model by (Replica.local_progress)
 
 
 class LocalSteps:
@@ -68,6 +84,8 @@ class LocalSteps:
         self.first: tuple[int, Ahead] | None = None
         # pulls this window's steps after its first have started (_refill): their size ramps up
         self.pulls = 0
+        self.early: Early | None = None  # the next window's first step, taken at this one's end
+        self.early_steps = 0  # inner steps taken so (the summary's early_steps)
 
     async def round(self, role: "Role", step: int) -> None:
         """Round ``step``: its window (unless an overlapped iteration sent it already), the next
@@ -102,14 +120,22 @@ class LocalSteps:
         # link, its later ones few (most rows recur), so pulling further ahead evens the link out
         ahead: deque[Ahead] = deque()  # the next steps' batches, their rows' pulls started
         self.pulls = 0
+        # its first inner step taken at the last window's end (--early-step, _early_step): the
+        # window started then, and the local model goes on from that step's progress
+        early, self.early = (self.early if self.early is not None and self.early.window == w else None), None
+        if early is not None:
+            started, samples, ends = early.started, early.samples, [early.ended]
+            await peer.work(peer.replica.resume_local, early.dense)
         if self.first is not None and self.first[0] == w:  # begun at the end of the last window (_begin_next)
             ahead.append(self.first[1])
             self.first = None
         else:
-            await self.drop_next()
+            await self._cancel_first()
             await self._new_window_rows()
+            if early is not None:
+                ahead.append(await self._first_of(role, early))
         try:
-            for i in range(h):
+            for i in range(len(ends), h):
                 if peer.stopping:
                     return False
                 clock.start()
@@ -161,9 +187,16 @@ class LocalSteps:
         held_s, landed = 0.0, False
         if rows_first and pushes is not None:
             await self._push(role, pushes, w)
+        prefetch = not last and role.prefetch and peer.cfg.prefetch
+        early_next = prefetch and not self.overlap and bool(peer.cfg.early_step) and not peer.stopping
         # the payload is encoded while the pushes travel (it goes only once they are answered), so
-        # its encoding is not on the window's end
-        enc: Encoded = await peer.work(self._payload, w, h, samples)
+        # its encoding is not on the window's end; with an early step next, the local model stays
+        # as it is (the step goes on from it) and the round brings it to the global model
+        enc: Encoded = await peer.work(self._payload, w, h, samples, early_next)
+        if early_next:
+            clock.mark("send")
+            await self._early_step(role, w + 1)
+            clock.mark("compute")
         if rows_first:
             # the window's row deltas are applied (at their primaries) before its
             # payload goes: a peer has round w only once every contributor's pushes of window w
@@ -185,7 +218,7 @@ class LocalSteps:
         peer.send_payload(enc)
         peer.sent_through = w
         self.windows[w] = (started, ends, time.monotonic())
-        if landed and not last and not peer.stopping and role.prefetch and peer.cfg.prefetch:
+        if landed and prefetch and not peer.stopping:
             await self._begin_next(role, w + 1)
         for book in (self.windows, self.pushed, self.others_done):
             for old in [k for k in book if k < w - 4]:
@@ -215,19 +248,85 @@ class LocalSteps:
         we pushed to has then applied every contributor's push of the last window (its flush waits
         for them all, PushBatcher), so these rows hold it as the window's later pulls do; a primary
         we did not push to, or a flush that went without a late pusher, may serve a row without
-        that delta, as any pull may when a push is late. The outer step does not touch the rows."""
+        that delta, as any pull may when a push is late. The outer step does not touch the rows.
+        With an early step (_early_step) the pull is of its rows, again, and the next step's."""
         await self._new_window_rows()
-        first = (await self._next_batch(role))[0]
+        first = await self._first_of(role, self.early if self.early is not None and self.early.window == w else None)
         self.first = (w, first)
         await role.prefetch_started(first.pulled)  # a host group: its collectives before the round's
 
-    async def drop_next(self) -> None:
-        """Cancel the next window's first pull (_begin_next) when it will not be used: a re-sync, a
-        stop, a window other than the one it was begun for."""
+    async def _first_of(self, role: "Role", early: Early | None) -> Ahead:
+        """A window's first pull (its rows empty): its first step's batch; or, when that step was
+        taken early, its rows pulled again from their owners (the last window's pushes in them now)
+        and moved by what the step did to them, together with the next step's batch: the window's
+        first step to take waits for both."""
+        if early is None:
+            return (await self._next_batch(role))[0]
+        peer, rows = self.peer, self.peer.window_rows
+        need = await peer.work(rows.claim, early.want)
+
+        async def again() -> None:
+            got, absent = await role.pull(need) if any(len(ids) for ids in need.values()) else ({}, {})
+
+            def put() -> None:
+                rows.add(need, got, absent)
+                rows.add_progress(early.want, early.rows)
+
+            await peer.work(put)
+
+        moved = asyncio.ensure_future(again())
+        nxt = (await self._next_batch(role))[0]
+
+        async def both() -> None:
+            await moved
+            await nxt.pulled
+
+        fut = asyncio.ensure_future(both())
+        # cancelled (a stop, a re-sync), it takes both pulls with it, started or not
+        fut.add_done_callback(lambda f: f.cancelled() and (moved.cancel(), nxt.pulled.cancel()))
+        return Ahead(fut, nxt.batch, nxt.want)
+
+    async def _early_step(self, role: "Role", w: int) -> None:
+        """Window ``w``'s first inner step, taken now, at the end of window w - 1 (--early-step):
+        the pushes of w - 1 are being applied and its round completes, which on a slow link takes
+        about a second in which the cores would sit idle. The step runs on this peer's own model and
+        rows as window w - 1 left them (its rows that window did not pull are pulled now, as their
+        owners hold them), as one more local step would; what it moves is kept (Early) and added to
+        the new global model and to the rows pulled again once the round and the pushes are in
+        (window, _first_of). Its gradient is thus a round old, once a window, as with --overlap for
+        every step of a window; the payload of w - 1 was taken before it, so it goes into window w's."""
+        peer, rows = self.peer, self.peer.window_rows
+        t0 = time.monotonic()
+        batch, want = await peer.sample_batch()
+        need = await peer.work(rows.missing, want, False)  # the window's pulls are over (or cancelled)
+        if any(len(ids) for ids in need.values()):
+            got, absent = await role.pull(need)
+            await peer.work(rows.add, need, got, absent)
+        before = await peer.work(rows.rows, want)  # copies
+        peer.inner_step = w * self.h + 1
+        stats = await peer.work(self._inner, batch, want)
+        peer.check_finite(stats, peer.inner_step - 1)
+        peer.record_contribution(stats, None)
+
+        def progress() -> tuple[dict, torch.Tensor]:
+            after = rows.rows(want)
+            return {t: after[t] - before[t] for t in want}, peer.replica.local_progress()
+
+        moved, dense = await peer.work(progress)
+        self.early = Early(w, t0, time.monotonic(), stats.samples if stats.finite else 0, want, moved, dense)
+        self.early_steps += 1
+
+    async def _cancel_first(self) -> None:
         first, self.first = self.first, None
         if first is not None:
             first[1].pulled.cancel()
             await asyncio.gather(first[1].pulled, return_exceptions=True)
+
+    async def drop_next(self) -> None:
+        """Forget the next window's first pull and its early step (_begin_next, _early_step) when
+        they will not be used: a re-sync, a stop, a window other than the one they were begun for."""
+        self.early = None
+        await self._cancel_first()
 
     def _contributors(self) -> int:
         """P, the swarm's contributors: each peer's row delta counts 1/P, so a row's update is the
@@ -382,12 +481,13 @@ class LocalSteps:
         self.peer.window_rows.update(row_grads)
         return stats
 
-    def _payload(self, w: int, steps: int, samples: int) -> Encoded:
+    def _payload(self, w: int, steps: int, samples: int, keep: bool = False) -> Encoded:
         """The window's pseudo-gradient, compressed as round ``w``'s payload, saying the ``samples``
         behind it (its weight where the window's payloads say different ones: a slow peer's short
         window, core/cadence.py window_steps); a window of ``steps`` < H inner steps also moves the
-        learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread)."""
+        learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread).
+        ``keep``: the local model stays as it is, for an early step to go on from (_early_step)."""
         replica = self.peer.replica
         if steps < self.h:
             replica.skip_schedule(self.h - steps)
-        return self.peer.compressor.compress(replica.end_window(self.overlap, w), w, samples=samples or None)
+        return self.peer.compressor.compress(replica.end_window(self.overlap or keep, w), w, samples=samples or None)

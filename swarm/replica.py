@@ -546,6 +546,19 @@ class Replica:
             self._write_local(self.global_flat)
         return delta
 
+    @torch.no_grad()
+    def local_progress(self) -> torch.Tensor:
+        """The local model minus where its window started (``end_window(keep=True)``'s point, else
+        the global vector): the progress of inner steps taken since (fp32, manifest order)."""
+        return self._flat_local() - (self.anchor if self.anchor is not None else self.global_flat)
+
+    @torch.no_grad()
+    def resume_local(self, progress: torch.Tensor) -> None:
+        """The local model becomes the global vector plus ``progress``: inner steps taken on our own
+        model while a round travelled (--early-step), carried onto the round's outer step; the
+        window's pseudo-gradient is then measured from the global vector, so it counts them once."""
+        self._write_local(self.global_flat + progress)
+
     def skip_schedule(self, steps: int) -> None:
         """Move the task's scheduler on by ``steps`` steps without an optimizer step: a window cut
         short (a slow peer's) keeps the learning rate where the swarm's is."""

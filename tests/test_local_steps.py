@@ -120,6 +120,32 @@ def test_overlapped_windows_keep_our_unaggregated_progress_and_never_count_it_tw
     assert torch.allclose(r.global_flat[:n], flat(), atol=1e-6)
 
 
+def test_an_early_step_is_carried_onto_the_round_and_counted_once_in_the_next_window():
+    """--early-step: the next window's first inner step is taken on the local model as the window
+    left it, before the round lands; its progress is then added to the new global model, and the
+    next window's pseudo-gradient, measured from the global model, holds it once."""
+    r = small_replica()
+    r.use_local_steps(OuterConfig())
+    flat = lambda: torch.cat([p.detach().reshape(-1) for p in r.params])  # noqa: E731
+    n = flat().numel()
+    _inner(r, 2)
+    d0 = r.end_window(True, 0)  # the local model stays: the early step goes on from it
+    end0 = flat()
+    _inner(r, 1)  # window 1's first step, round 0 still travelling
+    progress = r.local_progress()
+    assert torch.allclose(progress[:n], flat() - end0, atol=1e-6) and progress[:n].abs().sum() > 0
+    r.apply_aggregate(d0, step=0, count=1)
+    assert torch.equal(flat(), r.global_flat[:n]) and r.anchor is None and r.pending is None
+    r.resume_local(progress)
+    assert torch.allclose(flat(), (r.global_flat + progress)[:n], atol=1e-6)
+    _inner(r, 1)
+    end1 = flat()
+    d1 = r.end_window()
+    assert torch.allclose(d1[:n], r.global_flat[:n] - end1, atol=1e-6)
+    assert torch.equal(flat(), r.global_flat[:n])  # the next window starts from the global model
+    assert torch.allclose(r.local_progress(), torch.zeros_like(r.global_flat))
+
+
 def test_state_blob_of_local_steps_carries_the_global_vector_and_is_refused_elsewhere():
     a = small_replica()
     a.use_local_steps(OuterConfig(0.7, 0.9, True))
@@ -329,6 +355,7 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
         assert r["val_loss"] < r["first_loss"] - 1.0, said
         assert r["resyncs"] == {}, said  # the sketches, compared every 2 rounds, never differed
         assert r["bytes_per_sample"] > 0
+        assert r["early_steps"] == (0 if overlap else 5), said  # --early-step: none with --overlap
     assert results[0]["param_sketch"] == results[1]["param_sketch"] == results[2]["param_sketch"], said
     assert torch.equal(a.replica.global_flat, b.replica.global_flat)
     assert torch.equal(a.replica.global_flat, c.replica.global_flat)
@@ -337,6 +364,47 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     for r in results[1:]:
         assert results[0]["val_loss"] == pytest.approx(r["val_loss"], abs=2e-4), said
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
+
+
+@pytest.mark.parametrize("early", [1, 0])
+async def test_a_windows_first_step_is_taken_while_the_last_windows_round_travels(early):
+    """--early-step 1 (the default): every window after the first takes its first inner step
+    before the last window's round is taken (on the peer's own model and rows), and the rest after
+    it; each peer still trains its budget, the replicas stay bit-identical and the summary counts
+    the early steps. --early-step 0: every inner step of a window after the last window's round."""
+    h = 4
+    kw = dict(steps=16, min_peers=2, sync_every=h, early_step=early)
+    a = await _start(**kw)
+    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
+    taken = {0: [0], 1: [0]}  # rounds each peer has taken
+    when = {0: [], 1: []}  # per peer and inner step in order: rounds taken when it computed
+    for i, p in enumerate((a, b)):
+        real_inner, real_take = p.replica.inner_step, p.take_round
+
+        def inner(*args, i=i, real_inner=real_inner):
+            when[i].append(taken[i][0])
+            return real_inner(*args)
+
+        async def take_round(step, i=i, real_take=real_take):
+            await real_take(step)
+            taken[i][0] += 1
+
+        p.replica.inner_step, p.take_round = inner, take_round
+    try:
+        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run()), 150)
+    finally:
+        for p in (a, b):
+            await p.close()
+    for i, r in enumerate(results):
+        assert r["steps"] == 16 and r["steps_contributed"] == 16 and r["rounds_timed_out"] == 0, r
+        assert r["early_steps"] == (3 if early else 0)
+        assert len(when[i]) == 16
+        for k, rounds in enumerate(when[i]):  # inner step k belongs to window k // h
+            w = k // h
+            assert rounds == (w - 1 if early and w and k % h == 0 else w), (i, k, when[i])
+    assert results[0]["param_sketch"] == results[1]["param_sketch"]
+    assert torch.equal(a.replica.global_flat, b.replica.global_flat)
+    assert results[0]["val_loss"] < results[0]["first_loss"] - 1.0
 
 
 async def test_pushes_led_by_two_inner_steps_go_mid_window_and_the_replicas_and_rows_agree():
@@ -395,7 +463,9 @@ async def test_rows_of_several_inner_steps_ahead_are_pulled_while_one_computes_e
     last ones may be fewer); no row is pulled twice in a window (WindowRows.add refuses it) and
     the replicas agree as with L = 1."""
     h, steps = 8, 16
-    kw = dict(steps=steps, min_peers=2, sync_every=h, row_lookahead=lookahead, pull_steps=group)
+    # (--early-step 0: an early step samples the next window's first batch at this one's end,
+    # test_a_windows_first_step_is_taken_while_the_last_windows_round_travels)
+    kw = dict(steps=steps, min_peers=2, sync_every=h, row_lookahead=lookahead, pull_steps=group, early_step=0)
     a = await _start(**kw)
     b = await _start(join=f"127.0.0.1:{a.port}", **kw)
     sampled, seen, pulls = [0], [], []
@@ -720,6 +790,27 @@ def test_an_early_push_and_the_carried_tail_lose_no_row_delta_and_count_none_twi
     w.ratio = 1.0
     ids2, deltas2 = w.pushes()["t"]
     assert ids2.tolist() == carried_ids.tolist() and torch.equal(deltas2, carried) and not w.carry["t"][0].size
+
+
+def test_an_early_steps_row_progress_joins_the_next_windows_rows_and_their_delta():
+    """--early-step: what the step did to its rows (taken on the last window's copies) is added to
+    the same rows pulled again in the next window, which push it with that window's delta; a row
+    its owner could not serve stays zeros and is never pushed."""
+    w = WindowRows({"t": 2}, RowOptConfig(kind="adam", lr=0.1))
+    ids = np.array([2, 4, 6])
+    pulled = torch.tensor([[1.0, 1], [2, 2], [0, 0]])
+    w.add({"t": ids}, {"t": pulled}, {"t": np.array([6])})  # row 6: not served
+    progress = torch.tensor([[0.5, -0.5], [0.25, 0.0], [9.0, 9.0]])
+    w.add_progress({"t": ids}, {"t": progress})
+    now = w.rows({"t": ids})["t"]
+    assert torch.equal(now[:2], pulled[:2] + progress[:2]) and torch.equal(now[2], torch.zeros(2))
+    w.update({"t": (ids[:1], torch.tensor([[1.0, 1.0]]))})  # a later step on row 2
+    sent, deltas = w.pushes()["t"]
+    assert sent.tolist() == [2, 4]
+    assert torch.allclose(deltas[1], -progress[1])  # row 4: the early step's progress alone
+    assert torch.allclose(deltas[0], pulled[0] - w.rows({"t": ids[:1]})["t"][0])
+    with pytest.raises(KeyError):
+        w.add_progress({"t": np.array([3])}, {"t": torch.zeros(1, 2)})  # never pulled this window
 
 
 def test_carry_tail_keeps_the_largest_carried_rows_within_the_cap():

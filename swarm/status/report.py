@@ -47,6 +47,8 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "sync_every": peer.window,  # inner steps per window (1: every step is a round)
         "window_steps": peer.window_steps,  # inner steps our last window took (< sync_every: we are slow)
         "push_lead": peer.push_lead,  # inner steps before our last window's end that its row pushes went
+        # windows' first inner steps taken while the last window's end travelled (--early-step)
+        "early_steps": peer.local_steps.early_steps if peer.local_steps is not None else 0,
         "bytes_per_sample": bytes_per_sample(peer),
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
@@ -118,6 +120,7 @@ def status(peer: "Peer") -> dict:
         "sync_every": peer.window,
         "window_steps": peer.window_steps,
         "push_lead": peer.push_lead,
+        "early_steps": peer.local_steps.early_steps if peer.local_steps is not None else 0,
         "overlap": peer.overlap,  # a host group's ranks do not overlap
         "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,

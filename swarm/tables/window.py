@@ -130,12 +130,13 @@ class WindowRows:
             t: (np.zeros(0, np.int64), torch.zeros(0, d)) for t, d in self.dims.items()}
         self.dropped = 0  # carried rows dropped at the cap (their delta lost)
 
-    def missing(self, want: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def missing(self, want: dict[str, np.ndarray], in_flight: bool = True) -> dict[str, np.ndarray]:
         """The ids of ``want`` (sorted-unique per table) neither pulled this window nor claimed by a
-        pull still in flight."""
+        pull still in flight (``in_flight`` False: not pulled, whatever was claimed: once the
+        window's pulls are over, a claim of a pull cancelled by a cut window is no row)."""
         out = {}
         for t, ids in want.items():
-            for have in (self.tables[t].sorted_ids, self.inflight.get(t)):
+            for have in (self.tables[t].sorted_ids, self.inflight.get(t) if in_flight else None):
                 if have is not None and have.size and ids.size:
                     ids = ids[~np.isin(ids, have, assume_unique=True)]
             out[t] = ids
@@ -186,6 +187,23 @@ class WindowRows:
                 state[k].index_copy_(0, to, kstate[k].index_select(0, frm))
             steps.index_copy_(0, to, ksteps.index_select(0, frm))
         return state, steps
+
+    @torch.no_grad()
+    def add_progress(self, ids: dict[str, np.ndarray], progress: dict[str, torch.Tensor]) -> None:
+        """Rows of this window (every id pulled) move by ``progress`` (fp32 in ``ids`` order: what an
+        inner step taken on the last window's copies did to them, --early-step) and count as stepped,
+        so the window's delta carries it; rows their owners could not serve stay zeros, as ever."""
+        for t, want in ids.items():
+            if not len(want):
+                continue
+            r = self.tables[t]
+            pos = r.positions(want)
+            served = ~r.absent[pos]
+            if not served.any():
+                continue
+            keep = torch.from_numpy(np.flatnonzero(served))
+            r.rows.index_add_(0, torch.from_numpy(pos[served]), progress[t].to(torch.float32).index_select(0, keep))
+            r.stepped[pos[served]] = True
 
     def rows(self, want: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """The working copy of ``want``'s rows (fp32, in ids order)."""
