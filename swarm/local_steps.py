@@ -122,7 +122,7 @@ class LocalSteps:
         self.pulls = 0
         # its first inner step taken at the last window's end (--early-step, _early_step): the
         # window started then, and the local model goes on from that step's progress
-        early, self.early = (self.early if self.early is not None and self.early.window == w else None), None
+        early, self.early = self._early_for(w), None
         if early is not None:
             started, samples, ends = early.started, early.samples, [early.ended]
             await peer.work(peer.replica.resume_local, early.dense)
@@ -251,9 +251,13 @@ class LocalSteps:
         that delta, as any pull may when a push is late. The outer step does not touch the rows.
         With an early step (_early_step) the pull is of its rows, again, and the next step's."""
         await self._new_window_rows()
-        first = await self._first_of(role, self.early if self.early is not None and self.early.window == w else None)
+        first = await self._first_of(role, self._early_for(w))
         self.first = (w, first)
         await role.prefetch_started(first.pulled)  # a host group: its collectives before the round's
+
+    def _early_for(self, w: int) -> Early | None:
+        """The early step taken for window ``w``, if that is the one we hold."""
+        return self.early if self.early is not None and self.early.window == w else None
 
     async def _first_of(self, role: "Role", early: Early | None) -> Ahead:
         """A window's first pull (its rows empty): its first step's batch; or, when that step was
@@ -266,13 +270,8 @@ class LocalSteps:
         need = await peer.work(rows.claim, early.want)
 
         async def again() -> None:
-            got, absent = await role.pull(need) if any(len(ids) for ids in need.values()) else ({}, {})
-
-            def put() -> None:
-                rows.add(need, got, absent)
-                rows.add_progress(early.want, early.rows)
-
-            await peer.work(put)
+            await self._pull_into_window(role, need)
+            await peer.work(rows.add_progress, early.want, early.rows)
 
         moved = asyncio.ensure_future(again())
         nxt = (await self._next_batch(role))[0]
@@ -298,10 +297,8 @@ class LocalSteps:
         peer, rows = self.peer, self.peer.window_rows
         t0 = time.monotonic()
         batch, want = await peer.sample_batch()
-        need = await peer.work(rows.missing, want, False)  # the window's pulls are over (or cancelled)
-        if any(len(ids) for ids in need.values()):
-            got, absent = await role.pull(need)
-            await peer.work(rows.add, need, got, absent)
+        # the window's pulls are over (or cancelled): what they claimed and never brought is pulled
+        await self._pull_into_window(role, await peer.work(rows.missing, want, False))
         before = await peer.work(rows.rows, want)  # copies
         peer.inner_step = w * self.h + 1
         stats = await peer.work(self._inner, batch, want)
@@ -419,13 +416,14 @@ class LocalSteps:
             for t, ids in (await peer.work(peer.window_rows.claim, want)).items():
                 need[t] = np.union1d(need[t], ids) if t in need else ids  # each id claimed once: disjoint
 
-        async def pull() -> None:
-            if any(len(ids) for ids in need.values()):
-                got, absent = await role.pull(need)
-                await peer.work(peer.window_rows.add, need, got, absent)
-
-        pulled = asyncio.ensure_future(pull())
+        pulled = asyncio.ensure_future(self._pull_into_window(role, need))
         return [Ahead(pulled, batch, want) for batch, want in batches]
+
+    async def _pull_into_window(self, role: "Role", need: dict[str, np.ndarray]) -> None:
+        """Pull ``need`` (ids not in the window yet) and add the rows to the window's working copy."""
+        if any(len(ids) for ids in need.values()):
+            got, absent = await role.pull(need)
+            await self.peer.work(self.peer.window_rows.add, need, got, absent)
 
     def steps_for(self, w: int) -> int:
         """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py
