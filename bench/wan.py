@@ -1111,6 +1111,8 @@ def run_swarm(wan: Wan, a, name: str, log: Path, steps: int | None = None, targe
                                            for p in procs]), 2) if curve else 0.0,
            "sync_every": [s.get("sync_every") for s in summaries],
            "push_lead": [s.get("push_lead") for s in summaries],  # inner steps the row pushes led by (--push-lead)
+           # inner steps taken while the last window's end travelled (--early-step), per peer
+           "early_steps": [s.get("early_steps") for s in summaries],
            "rounds_timed_out": [s.get("rounds_timed_out") for s in summaries],
            # per peer: [pulls that waited for a replay to reach its replica copy, seconds they waited]
            "replay_waits": [[(s.get("rows") or {}).get("replay_waits"), (s.get("rows") or {}).get("replay_wait_s")]
@@ -1650,6 +1652,8 @@ def main() -> int:
                     print(f"  step phases, ms per step (mean over peers): {res['step_phases_ms']}", flush=True)
                 if res.get("replay_waits"):
                     print(f"  replay waits per peer [pulls, s]: {res['replay_waits']}", flush=True)
+                if any(res.get("early_steps") or []):
+                    print(f"  early steps per peer: {res['early_steps']}", flush=True)
                 if a.slow_peer is not None and "samples_by_peer" in res:
                     print(f"  fast peers' wait share {_f(res.get('fast_peer_wait_share'), 3)}; slow peer "
                           f"{res.get('slow_peer_id')}: samples {res.get('slow_peer_samples')} (all: "
