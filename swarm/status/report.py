@@ -34,6 +34,11 @@ def bytes_per_sample(peer: "Peer") -> float | None:
     return round(sum(peer.counts.sent.values()) / p.samples, 1) if p.samples else None
 
 
+def early_steps(peer: "Peer") -> int:
+    """Inner steps taken while the last window's end travelled (--early-step; 0 per step)."""
+    return peer.local_steps.early_steps if peer.local_steps is not None else 0
+
+
 def summary(peer: "Peer", sketch: list[float]) -> dict:
     p = peer.progress
     tail = p.losses[-10:]
@@ -48,7 +53,7 @@ def summary(peer: "Peer", sketch: list[float]) -> dict:
         "window_steps": peer.window_steps,  # inner steps our last window took (< sync_every: we are slow)
         "push_lead": peer.push_lead,  # inner steps before our last window's end that its row pushes went
         # windows' first inner steps taken while the last window's end travelled (--early-step)
-        "early_steps": peer.local_steps.early_steps if peer.local_steps is not None else 0,
+        "early_steps": early_steps(peer),
         "bytes_per_sample": bytes_per_sample(peer),
         "steps_contributed": p.contributed,
         "first_loss": p.losses[0] if p.losses else None,
@@ -120,7 +125,7 @@ def status(peer: "Peer") -> dict:
         "sync_every": peer.window,
         "window_steps": peer.window_steps,
         "push_lead": peer.push_lead,
-        "early_steps": peer.local_steps.early_steps if peer.local_steps is not None else 0,
+        "early_steps": early_steps(peer),
         "overlap": peer.overlap,  # a host group's ranks do not overlap
         "bytes_per_sample": bytes_per_sample(peer),
         "active": peer.active,
