@@ -613,19 +613,35 @@ class Peer:
     async def _download_state(self, donor_id: str | None) -> str:
         """Load the state of a contributing peer (``donor_id`` if it is one) whose snapshot no round
         that reached us is missing from; returns the donor's id."""
-        donor_id = rounds.pick_donor(self.metas(), donor_id)
-        donor = self.members.get(donor_id) if donor_id is not None else None
-        if donor is None:
-            raise JoinError("no live, contributing peer to sync state from")
         limit = self.state_limit()
         t0 = time.monotonic()
+        not_ready: set[str] = set()  # donors that answered they have no state yet, this attempt
         while True:
+            # a peer that declared itself contributing may still be joining itself (its state not
+            # loaded: 503); many peers starting at once meet that, so another one is asked, or the
+            # same again a moment later, until the sync deadline
+            metas = self.metas()
+            donor_id = rounds.pick_donor({p: m for p, m in metas.items() if p not in not_ready} or metas, donor_id)
+            donor = self.members.get(donor_id) if donor_id is not None else None
+            if donor is None:
+                raise JoinError("no live, contributing peer to sync state from")
             try:
                 blob = await self.transport.request("GET", donor.addr + "/v1/state", to=donor.peer_id, timeout=300.0,
                                                     reply_limit=limit, kind="state")
                 step = await self.work(self.replica.load_state_blob, blob)
-            except (PeerUnreachable, ValueError) as e:
+            except PeerUnreachable as e:
+                if e.status != 503 or time.monotonic() - t0 > self.cfg.sync_timeout + 30 or self._stop.is_set():
+                    raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
+                self.event("sync-retry", f"{donor.peer_id[:8]} has no state to give yet: asking another peer")
+                not_ready.add(donor.peer_id)
+                if not_ready >= {p for p, m in metas.items() if m.active}:
+                    not_ready.clear()  # every contributor said so: ask them again, a moment later
+                donor_id = None
+                await asyncio.sleep(0.5)
+                continue
+            except ValueError as e:
                 raise JoinError(f"state sync from {donor.addr} failed: {e}") from None
+            donor_id = donor.peer_id  # a newer snapshot (below) from the same peer
             self.book.reset(step)
             gap = rounds.snapshot_gap(step, self.metas(), lambda p: self.book.has(step, p), self.book.last_step_from)
             if not gap or time.monotonic() - t0 > self.cfg.sync_timeout + 30 or self._stop.is_set():

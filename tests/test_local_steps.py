@@ -23,6 +23,7 @@ from swarm.outer import OuterConfig, OuterOptimizer
 from swarm.replica import Replica, StateError
 from swarm.tables import RowOptConfig
 from swarm.tables.window import WindowRows
+from swarm.transport import PeerUnreachable
 
 from .conftest import free_port, join_at, small_cfg, small_replica
 from .test_peer_cli import run_cli
@@ -638,6 +639,32 @@ async def test_a_joiner_that_lost_a_round_while_catching_up_downloads_a_newer_st
     assert [e for e in c.events if e["kind"] == "sync-retry" and "is lost to us" in e["detail"]]
     assert ra["rounds_timed_out"] == rb["rounds_timed_out"] == rc["rounds_timed_out"] == 0
     assert ra["steps"] == rb["steps"] == rc["steps"] == 64 and 0 < rc["steps_contributed"] < 64
+    assert ra["param_sketch"] == rb["param_sketch"] == rc["param_sketch"]
+
+
+async def test_a_joiner_whose_donor_has_no_state_yet_asks_again_and_joins():
+    """Many peers starting at once: the contributor a joiner picks may still be joining itself and
+    answer 503 (no state to give yet). The joiner asks another contributor (or the same one a
+    moment later) within its sync deadline instead of giving up: simulated by c's first two state
+    downloads answering so."""
+    refused = []
+
+    def tamper(a: Peer, c: Peer) -> None:
+        real = c.transport.request
+
+        async def request(method, url, *args, **kw):
+            if url.endswith("/v1/state") and len(refused) < 2:
+                refused.append(url)
+                raise PeerUnreachable(url, "this peer has no state to give yet (not training)", 503)
+            return await real(method, url, *args, **kw)
+
+        c.transport.request = request
+
+    c, ra, rb, rc = await _join_mid_run(48, tamper)
+    assert len(refused) == 2
+    retries = [e for e in c.events if e["kind"] == "sync-retry" and "no state to give yet" in e["detail"]]
+    assert len(retries) == 2
+    assert rc["steps"] == 48 and rc["state_bytes_received"] > 0 and rc["steps_contributed"] > 0
     assert ra["param_sketch"] == rb["param_sketch"] == rc["param_sketch"]
 
 
