@@ -49,6 +49,8 @@ Figures (each per peer count; "per peer step" = mean over peers):
                                          param_sketches are equal bit for bit
   loss_fell                              mean over peers of the running-mean loss (10 steps) at
                                          step 10 (the first window) > at the last step
+  val_loss                               median over peers of the held-out loss each evaluated
+                                         at the end (the peers' summaries)
 
 The steady polls use `curl` (inside each peer's namespace); without it the *_steady figures are None.
 The LAST stdout line is one JSON object; --out also gets it with every per-run record.
@@ -302,7 +304,7 @@ def last_line(runs: dict[str, dict], all_traffic: str | None, extra: dict | None
             "grad_bytes_sent_per_peer_step_steady", "grad_bytes_received_per_peer_step_steady", "steady_window",
             "sent_by_kind_per_peer_step", "sent_by_kind_per_peer_step_steady", "max_contributors",
             "step_time_s", "floor_step_s", "rss_mb_median", "join_s_max", "listen_s", "loss_first_window",
-            "loss_last_window", "steps_done", "exit_codes")
+            "loss_last_window", "val_loss", "steps_done", "exit_codes")
     out: dict = {k: {n: r.get(k) for n, r in runs.items()} for k in keys}
     out["target_16_vs_4"] = target_check(runs)
     out["all_traffic"] = all_traffic or "interface counters of each peer's own network namespace (wan0)"
@@ -538,7 +540,14 @@ def run_swarm(net: Net, a, n: int, log: Path) -> dict:
     out["loss_first_window"] = None if first_w is None else round(first_w, 4)
     out["loss_last_window"] = None if last_w is None else round(last_w, 4)
     out["loss_fell"] = loss_fell(first_w, last_w)
+    vals = [s["val_loss"] for s in summaries if s and isinstance(s.get("val_loss"), (int, float))]
+    out["val_loss"] = None if not vals else round(median(vals), 4)  # median over peers, at the end
     out["steps_contributed"] = mean(s.get("steps_contributed") for s in summaries if s)
+    # per peer, what says whether it trained the whole run: a late join (a state sync) or a re-sync
+    # trains fewer steps, which the loss figures above then show
+    out["per_peer"] = [None if not s else {k: s.get(k) for k in ("steps_contributed", "resyncs", "rounds_timed_out",
+                                                                  "state_bytes_received", "val_loss")}
+                       for s in summaries]
     out["settings"] = s0.get("settings")
     out["dense_values"] = (s0.get("task") or {}).get("dense_values")
     out["compression_ratio"] = s0.get("compression_ratio")

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
       "taken before the next step or window")
     a("--max-contributors", type=int, help="about this many peers send a payload per round: with more contributing "
                                            "peers each sends every floor(peers / this) rounds the sum of its steps' "
-                                           f"gradients, so a peer's bytes stop growing with the swarm; 0: every peer "
+                                           "gradients (with --sync-every: every window's payload, with 1/floor(peers "
+                                           "/ this) of its entries), so a peer's bytes stop growing with the swarm; 0: every peer "
                                            f"every round (default {d.max_contributors})")
     a("--row-ratio", type=float, help="with --sync-every: push only this share of a window's table-row deltas, "
       "the largest first; the others are kept and added to the row's next delta (error feedback; default 1: all)")

@@ -192,7 +192,10 @@ class LocalSteps:
         # the payload is encoded while the pushes travel (it goes only once they are answered), so
         # its encoding is not on the window's end; with an early step next, the local model stays
         # as it is (the step goes on from it) and the round brings it to the global model
-        enc: Encoded = await peer.work(self._payload, w, h, samples, early_next)
+        # with more contributors than --max-contributors each payload takes its share of the bytes
+        # (read here, on the event loop: the membership is the loop's)
+        share = peer.pacing.cap_stride()
+        enc: Encoded = await peer.work(self._payload, w, h, samples, early_next, share)
         if early_next:
             clock.mark("send")
             await self._early_step(role, w + 1)
@@ -479,13 +482,17 @@ class LocalSteps:
         self.peer.window_rows.update(row_grads)
         return stats
 
-    def _payload(self, w: int, steps: int, samples: int, keep: bool = False) -> Encoded:
+    def _payload(self, w: int, steps: int, samples: int, keep: bool = False, share: int = 1) -> Encoded:
         """The window's pseudo-gradient, compressed as round ``w``'s payload, saying the ``samples``
         behind it (its weight where the window's payloads say different ones: a slow peer's short
         window, core/cadence.py window_steps); a window of ``steps`` < H inner steps also moves the
         learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread).
-        ``keep``: the local model stays as it is, for an early step to go on from (_early_step)."""
+        ``keep``: the local model stays as it is, for an early step to go on from (_early_step).
+        ``share``: the contributor cap's k (core/cadence.py cap_stride): the payload carries 1/k of
+        the entries (and of the byte floor) a sparse codec would send, the rest kept in the error
+        feedback (docs/design.md, "The cap in windows")."""
         replica = self.peer.replica
         if steps < self.h:
             replica.skip_schedule(self.h - steps)
-        return self.peer.compressor.compress(replica.end_window(self.overlap or keep, w), w, samples=samples or None)
+        return self.peer.compressor.compress(replica.end_window(self.overlap or keep, w), w, samples=samples or None,
+                                             share=share)

@@ -426,6 +426,36 @@ def test_min_bytes_is_a_floor_on_the_payload_not_a_ceiling(mode):
         CodecConfig(min_bytes=-1).validate()
 
 
+@pytest.mark.parametrize("mode", ["topk-int8", "topk-int2"])
+def test_a_share_sends_its_part_of_the_entries_and_the_byte_floor_and_keeps_the_rest(mode):
+    """compress(share=k) (a window's payload when more peers contribute than the cap): 1/k of the
+    entries the ratio asks for, or of the byte floor where that is larger; the error feedback still
+    holds everything unsent, so the payloads over several windows lose nothing; share 1 is the plain
+    payload, bit for bit."""
+    n = 200_000
+    gs = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    cfg = CodecConfig(mode=mode, ratio=0.2)
+    plain, shared = Compressor(flat_manifest(n), cfg, "a"), Compressor(flat_manifest(n), cfg, "a")
+    assert shared.compress(gs[0].clone(), 0, share=4).k == 10_000 and plain.compress(gs[0].clone(), 0).k == 40_000
+    floored = Compressor(flat_manifest(n), CodecConfig(mode=mode, ratio=0.01, min_bytes=32768), "a")
+    enc = floored.compress(gs[0].clone(), 0, share=2)
+    assert 16384 <= len(enc.blob) <= 16384 + 1024 and enc.k < floored.k_floor / 2  # half the floor's bytes
+    one = Compressor(flat_manifest(n), cfg, "a").compress(gs[0].clone(), 0, share=1).decoded
+    none = Compressor(flat_manifest(n), cfg, "a").compress(gs[0].clone(), 0).decoded
+    assert torch.equal(one.indices, none.indices) and torch.equal(one.values, none.values)
+    ef = Compressor(flat_manifest(n), cfg, "a")
+    sent = torch.zeros(n, dtype=torch.float64)
+    for w, g in enumerate(gs):
+        dense = torch.zeros(n)
+        ef.compress(g.clone(), w, share=3).decoded.add_to(dense)
+        sent += dense.double()
+    total = sum(g.double() for g in gs)
+    assert float((sent + ef.residual.double() - total).abs().max()) <= 1e-5 * float(total.abs().max())
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="share"):
+            ef.compress(gs[0].clone(), 3, share=bad)
+
+
 # -- chunk-wise selection ------------------------------------------------------------------------
 @pytest.mark.parametrize("n,k,chunk", [(1000, 10, 64), (4096, 41, 4096), (10_000, 100, 300), (130, 130, 64),
                                        (70, 3, 64)])

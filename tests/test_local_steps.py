@@ -367,6 +367,53 @@ async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
     assert status["sync_every"] == 4 and status["inner_step"] == 24 and status["overlap"] == bool(overlap)
 
 
+async def test_windows_with_more_peers_than_the_cap_send_every_window_at_a_share_of_the_bytes():
+    """--max-contributors 2 with 4 peers (k = 2): every peer still sends every window's payload,
+    each at half the entries its codec sends with no cap (the --min-payload floor halved here), so a
+    peer's gradient bytes are about those of 2 full payloads a window; the replicas stay
+    bit-identical and every window of every peer is in the global model."""
+    floor = 16384
+    kw = dict(steps=24, min_peers=4, sync_every=4, compression="topk-int2", ratio=0.001, min_payload=floor,
+              sketch_every=2)
+    runs = {}
+    for cap in (2, 0):
+        a = await _start(max_contributors=cap, **kw)
+        peers = [a] + [await _start(join=f"127.0.0.1:{a.port}", max_contributors=cap, **kw) for _ in range(3)]
+        shares = []
+        real = [p.compressor.compress for p in peers]
+        for p, compress in zip(peers, real):
+            def spy(*args, compress=compress, **kwargs):
+                enc = compress(*args, **kwargs)
+                shares.append((kwargs.get("share", 1), enc.k))
+                return enc
+            p.compressor.compress = spy
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 240)
+            flat = [p.replica.global_flat.clone() for p in peers]
+        finally:
+            for p in peers:
+                await p.close()
+        runs[cap] = results, flat, shares
+    said = {cap: [{k: r.get(k) for k in ("steps", "rounds", "rounds_timed_out", "first_loss", "val_loss",
+                                         "resyncs", "bytes_sent")} for r in results]
+            for cap, (results, _, _) in runs.items()}
+    for cap, (results, flat, shares) in runs.items():
+        assert [sh for sh, _ in shares] == [2 if cap else 1] * 24, (cap, shares)  # 6 windows x 4 peers, each sent
+        for r in results:
+            assert r["steps"] == 24 and r["rounds"] == 6 and r["rounds_timed_out"] == 0, said
+            assert r["steps_contributed"] == 24 and r["resyncs"] == {}, said
+            assert r["val_loss"] < r["first_loss"] - 1.0, said
+        assert all(r["param_sketch"] == results[0]["param_sketch"] for r in results), said
+        assert all(torch.equal(flat[0], f) for f in flat), said
+    # the byte floor sets the entries (ratio 0.001 asks fewer): half of them under the cap, and
+    # about half the bytes on the wire (zstd bodies: below the floor's size)
+    # (a sparser payload's index costs more bits an entry, so a little under half the entries)
+    ks = {cap: sorted({k for _, k in shares}) for cap, (_, _, shares) in runs.items()}
+    assert len(ks[0]) == len(ks[2]) == 1 and 0.4 < ks[2][0] / ks[0][0] <= 0.5, ks
+    sent = {cap: sum(r["bytes_sent"] for r in results) for cap, (results, _, _) in runs.items()}
+    assert 0.35 < sent[2] / sent[0] < 0.6, sent
+
+
 @pytest.mark.parametrize("early", [1, 0])
 async def test_a_windows_first_step_is_taken_while_the_last_windows_round_travels(early):
     """--early-step 1 (the default): every window after the first takes its first inner step

@@ -65,6 +65,7 @@ class Compressor:
         # The sample only steers the threshold; the selected set is exact either way.
         self._rng = np.random.default_rng(seed)
         self.k_floor = self._k_for_bytes(config.min_bytes)
+        self._floors = {1: self.k_floor}  # share -> the entries that fill min_bytes / share
 
     def _k_for_bytes(self, nbytes: int) -> int:
         """The fewest entries whose sparse body is at least ``nbytes`` (0 when there is no floor;
@@ -110,17 +111,29 @@ class Compressor:
 
     # -- main entry ------------------------------------------------------------
     def compress(self, flat_grad: torch.Tensor, step: int, *, samples: int | None = None,
-                 next_round: int | None = None) -> Encoded:
+                 next_round: int | None = None, share: int = 1) -> Encoded:
         """Compress one step's flat gradient; non-finite input yields a skipped k=0 payload.
         ``samples`` and ``next_round`` travel in the header when given (the payload's weight in
-        its round, and the round its sender contributes to next)."""
+        its round, and the round its sender contributes to next). ``share`` > 1 sends 1/share of
+        the entries the ratio and the byte floor ask for (a sparse mode only; the rest stays in
+        the residual): a window's payload when more peers contribute than the cap
+        (swarm/local_steps.py)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        enc = self._compress(flat_grad, step, (samples, next_round))
+        if isinstance(share, bool) or not isinstance(share, int) or share < 1:
+            raise ValueError(f"share must be an int >= 1, got {share!r}")
+        enc = self._compress(flat_grad, step, (samples, next_round), share)
         enc.decoded.samples, enc.decoded.next = samples, next_round
         return enc
 
-    def _compress(self, flat_grad: torch.Tensor, step: int, tag: tuple[int | None, int | None]) -> Encoded:
+    def _floor(self, share: int) -> int:
+        """The fewest entries whose body fills min_bytes / ``share`` (cached per share)."""
+        if share not in self._floors:
+            self._floors[share] = self._k_for_bytes(-(-self.config.min_bytes // share))
+        return self._floors[share]
+
+    def _compress(self, flat_grad: torch.Tensor, step: int, tag: tuple[int | None, int | None],
+                  share: int = 1) -> Encoded:
         g = flat_grad.detach()
         if g.numel() != self.n:
             raise ValueError(f"gradient has {g.numel()} entries, manifest has {self.n}")
@@ -144,7 +157,7 @@ class Compressor:
         if cfg.ef_decay != 1.0:
             acc.mul_(cfg.ef_decay)
         acc.add_(g)                       # acc = residual + grad, in place
-        k = max(k_for(self.n, cfg.ratio_at(step)), self.k_floor)
+        k = max(k_for(self.n, cfg.ratio_at(step) / share), self._floor(share))
         mode = cfg.mode
         if mode != "none" and (k > k_cap(self.n, MAX_SPARSE_RATIO) or self._sparse_cost(k, mode) >= self._dense_cost()):
             mode = "none"
