@@ -291,6 +291,39 @@ async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_repli
     assert all(s == sketches[0] for s in sketches)  # bit-identical
 
 
+async def test_eight_peers_in_windows_send_half_payloads_lose_one_and_keep_identical_replicas():
+    """Windows of local steps at 8 peers and the default cap (4): every peer sends every window's
+    payload at half its entries (k = 2); once one is gone (7 contributors: k = 1) the payloads are
+    whole again; the survivors finish bit-identical with falling loss."""
+    peers = await start_peers(8, steps=24, min_peers=8, sync_every=4, round_timeout=10.0)
+    assert peers[0].cfg.max_contributors == 4  # the default
+    shares: dict[int, list[int]] = {i: [] for i in range(8)}
+    for i, p in enumerate(peers):
+        real = p.compressor.compress
+
+        def spy(*args, i=i, real=real, **kwargs):
+            shares[i].append(kwargs.get("share", 1))
+            return real(*args, **kwargs)
+
+        p.compressor.compress = spy
+    victim = peers[5]
+    runs = [asyncio.ensure_future(p.run()) for p in peers]
+    try:
+        while min(p.book.step for p in peers) < 2:
+            await asyncio.sleep(0.05)
+        await victim.close()  # gone without a word: the others find out by SWIM
+        results = await asyncio.wait_for(asyncio.gather(*[r for i, r in enumerate(runs) if i != 5]), 240)
+    finally:
+        for p in peers:
+            await p.close()
+        await asyncio.gather(*runs, return_exceptions=True)
+    for i, r in zip([i for i in range(8) if i != 5], results):
+        assert r["steps"] == 24 and r["rounds"] == 6 and r["val_loss"] < r["first_loss"] - 1.0, r
+        assert len(shares[i]) == 6 and shares[i][:2] == [2, 2] and shares[i][-1] == 1, shares
+    sketches = [r["param_sketch"] for r in results]
+    assert all(s == sketches[0] for s in sketches)  # bit-identical
+
+
 async def test_a_slow_peer_runs_free_and_its_samples_still_count():
     fast = await start_peers(2, steps=40, min_peers=3)
     slow = Peer(small_cfg(steps=40, min_peers=3, join=f"127.0.0.1:{fast[0].port}", compute_speed=0.3, free_run=1),
