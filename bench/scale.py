@@ -277,20 +277,27 @@ def paper_model(payload: float | None, other_sent: float | None, other_received:
                 contributors: int, sizes: tuple[int, ...] = (100, 1000)) -> dict | None:
     """Bytes per peer per step on paper at swarm sizes the machine cannot run. all_to_all: each
     peer sends its payload to every other member every step (payload x (P-1) sent and received).
-    capped: C contributors per round, each peer contributing every ceil(P/C) rounds: on average
-    C x (P-1)/P payloads sent and as many received (about C). `other_*`: the measured row and
-    control bytes per peer step (rows depend on the batch, not P; membership is per second)."""
+    capped: the rule as built (swarm/core/cadence.py cap_stride): each peer contributes every
+    k = floor(P/C) rounds, but k is at most cadence.MAX_STRIDE (8: a peer's summed steps must stay
+    fresher than --max-staleness), so it sends (P-1)/k payloads a step and receives as many: about
+    C up to 8C peers, then growing with P again, 8x below all-to-all. `other_*`: the measured row
+    and control bytes per peer step (rows depend on the batch, not P; membership is per second)."""
+    from swarm.core import cadence
+
     if payload is None:
         return None
     o_s, o_r = other_sent or 0.0, other_received or 0.0
     out = {"payload_bytes": payload, "contributors": contributors,
            "other_sent_per_step": other_sent, "other_received_per_step": other_received}
     for p in sizes:
-        c = min(contributors, p)
+        k = cadence.cap_stride(p, contributors)
         out[str(p)] = {
             "all_to_all": {"sent": round(payload * (p - 1) + o_s), "received": round(payload * (p - 1) + o_r)},
-            "capped": {"sent": round(payload * c * (p - 1) / p + o_s), "received": round(payload * c * (p - 1) / p + o_r),
-                       "rounds_between_contributions": math.ceil(p / c)},
+            "capped": {"sent": round(payload * (p - 1) / k + o_s), "received": round(payload * (p - 1) / k + o_r),
+                       "rounds_between_contributions": k,
+                       # without the stride's limit (every floor(P/C) rounds): about C payloads each way
+                       "unlimited_stride": {"sent": round(payload * (p - 1) / max(1, p // contributors) + o_s),
+                                            "rounds_between_contributions": max(1, p // contributors)}},
         }
     return out
 

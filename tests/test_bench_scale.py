@@ -109,10 +109,17 @@ def test_target_check_both_directions():
 def test_paper_model():
     m = scale.paper_model(50_000.0, 1000.0, 800.0, 4)
     assert m["100"]["all_to_all"] == {"sent": 50_000 * 99 + 1000, "received": 50_000 * 99 + 800}
-    assert m["1000"]["capped"]["sent"] == round(50_000 * 4 * 999 / 1000 + 1000)
-    assert m["1000"]["capped"]["rounds_between_contributions"] == 250
-    # capped bytes barely change from 100 to 1000 peers; all-to-all grows 10x
-    assert m["1000"]["capped"]["sent"] / m["100"]["capped"]["sent"] < 1.01
+    # as built: a peer contributes every floor(P/C) rounds, at most every 8th (cadence.MAX_STRIDE)
+    assert m["100"]["capped"]["rounds_between_contributions"] == m["1000"]["capped"]["rounds_between_contributions"] == 8
+    assert m["1000"]["capped"]["sent"] == round(50_000 * 999 / 8 + 1000)
+    assert m["1000"]["capped"]["received"] == round(50_000 * 999 / 8 + 800)
+    # so past 8C peers capped bytes grow with P again, 8x below all-to-all; without the limit
+    # they would stay at about C payloads
+    assert m["1000"]["all_to_all"]["sent"] / m["1000"]["capped"]["sent"] > 7.9
+    assert m["1000"]["capped"]["unlimited_stride"]["rounds_between_contributions"] == 250
+    assert m["1000"]["capped"]["unlimited_stride"]["sent"] == round(50_000 * 999 / 250 + 1000)
+    small = scale.paper_model(50_000.0, 0.0, 0.0, 4, sizes=(4, 16))
+    assert small["4"]["capped"]["sent"] == 150_000 and small["16"]["capped"]["sent"] == round(50_000 * 15 / 4)
     assert scale.paper_model(None, 0, 0, 4) is None
 
 
