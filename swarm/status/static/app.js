@@ -205,6 +205,18 @@ function taskLine(t) {
     (tables ? ` · tables ${tables}` : "");
 }
 
+// the contributor cap at work (docs/design.md, "Uneven peers and large swarms"): per step a payload
+// every k rounds; in windows every window's payload at 1/k of its entries
+function capLine(s) {
+  const p = s.pacing || {};
+  const k = p.stride || 1;
+  if (k <= 1) return "";
+  return s.sync_every > 1
+    ? ` · payloads at 1/${k} of their entries (--max-contributors ${p.max_contributors})`
+    : ` · a payload every ${k} rounds` +
+      (p.free_running ? " (free-running)" : ` (--max-contributors ${p.max_contributors})`);
+}
+
 function render(s) {
   last = s;
   document.title = `swarm · ${short(s.peer_id)} · step ${s.step}`;
@@ -226,7 +238,8 @@ function render(s) {
       ` (inner step ${fmtInt(s.inner_step)}` +
       (s.window_steps && s.window_steps < s.sync_every ? `; this peer is slower: ${fmtInt(s.window_steps)} a window` : "") +
       (s.push_lead ? `; row pushes ${fmtInt(s.push_lead)} steps before the end` : "") +
-      ")" : s.overlap ? " · rounds overlapped" : "");
+      ")" : s.overlap ? " · rounds overlapped" : "") +
+    capLine(s);
   const t = s.task;
   const lm = !t || t.tokens_per_sample > 0;  // a language model counts tokens, other tasks samples
   $("task").textContent = t ? taskLine(t) : "";
