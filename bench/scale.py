@@ -295,7 +295,8 @@ def paper_model(payload: float | None, other_sent: float | None, other_received:
             "all_to_all": {"sent": round(payload * (p - 1) + o_s), "received": round(payload * (p - 1) + o_r)},
             "capped": {"sent": round(payload * (p - 1) / k + o_s), "received": round(payload * (p - 1) / k + o_r),
                        "rounds_between_contributions": k,
-                       # without the stride's limit (every floor(P/C) rounds): about C payloads each way
+                       # without the stride's limit (every floor(P/C) rounds): about C payloads each way;
+                       # also what windows of local steps send (every window at 1/floor(P/C) of a payload)
                        "unlimited_stride": {"sent": round(payload * (p - 1) / max(1, p // contributors) + o_s),
                                             "rounds_between_contributions": max(1, p // contributors)}},
         }

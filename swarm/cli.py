@@ -139,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
       "computes, and its update lands one round later (per-step: with weight prediction); default 0: each round is "
       "taken before the next step or window")
     a("--max-contributors", type=int, help="about this many peers send a payload per round: with more contributing "
-                                           "peers each sends every k = min(8, floor(peers / this)) rounds the sum of "
-                                           "its steps' gradients (with --sync-every: every window's payload, with 1/k "
-                                           "of its entries), so a peer's bytes stay about this many payloads up to 8x "
-                                           f"this many peers; 0: every peer every round (default {d.max_contributors})")
+                                           "peers each sends every min(8, floor(peers / this)) rounds the sum of its "
+                                           "steps' gradients, so a peer's bytes stay about this many payloads up to 8x "
+                                           "this many peers (with --sync-every: every window's payload, at "
+                                           "1/floor(peers / this) of its entries, at any size); 0: every peer every "
+                                           f"round (default {d.max_contributors})")
     a("--row-ratio", type=float, help="with --sync-every: push only this share of a window's table-row deltas, "
       "the largest first; the others are kept and added to the row's next delta (error feedback; default 1: all)")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")

@@ -194,7 +194,7 @@ class LocalSteps:
         # as it is (the step goes on from it) and the round brings it to the global model
         # with more contributors than --max-contributors each payload takes its share of the bytes
         # (read here, on the event loop: the membership is the loop's)
-        share = peer.pacing.cap_stride()
+        share = peer.pacing.payload_share()
         enc: Encoded = await peer.work(self._payload, w, h, samples, early_next, share)
         if early_next:
             clock.mark("send")
@@ -488,8 +488,8 @@ class LocalSteps:
         window, core/cadence.py window_steps); a window of ``steps`` < H inner steps also moves the
         learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread).
         ``keep``: the local model stays as it is, for an early step to go on from (_early_step).
-        ``share``: the contributor cap's k (core/cadence.py cap_stride): the payload carries 1/k of
-        the entries (and of the byte floor) a sparse codec would send, the rest kept in the error
+        ``share``: the contributor cap's k (Pacing.payload_share): the payload carries 1/k of the
+        entries (and of the byte floor) a sparse codec would send, the rest kept in the error
         feedback (docs/design.md, "The cap in windows")."""
         replica = self.peer.replica
         if steps < self.h:

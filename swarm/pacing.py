@@ -48,6 +48,12 @@ class Pacing:
     def cap_stride(self) -> int:
         return cadence.cap_stride(len(self.contributor_ids()), self.cap)
 
+    def payload_share(self) -> int:
+        """With local steps: k, the share of its entries a window's payload carries (1/k): the cap's
+        floor(P / C) without the stride's limit, as a window's payload is not a sum of stale steps,
+        so a peer's payload bytes stay about C payloads' at any swarm size."""
+        return cadence.cap_stride(len(self.contributor_ids()), self.cap, limit=None)
+
     def plan_next(self, after: int) -> int:
         """The round we declare next when we send round ``after``'s payload: the cap's rotation, or
         further on when our compute needs it (a free-running peer)."""
@@ -127,7 +133,8 @@ class Pacing:
         ms = self.pace.step_s()
         per = self.pace.period()
         return {"max_contributors": self.cap, "next_round": self.next_round, "free_running": self.pace.free,
-                "stride": max(self.cap_stride(), self.pace.stride()), "pending_steps": self._steps,
+                "stride": max(self.cap_stride(), self.pace.stride()), "payload_share": self.payload_share(),
+                "pending_steps": self._steps,
                 "payloads_sent": self.sent, "steps_summed": self.summed,
                 "compute_ms": round(ms * 1000, 1) if ms else None,
                 "round_period_ms": round(per * 1000, 1) if per else None}

@@ -26,6 +26,9 @@ def test_cap_stride_is_one_up_to_the_cap_then_grows_with_the_swarm():
     for p in range(1, 40):  # a round keeps at least the cap's payloads (a robust rule needs several)
         assert p // cadence.cap_stride(p, 4) >= min(p, 4)
     assert cadence.cap_stride(16, 0) == 1  # no cap
+    # a summed payload is at most MAX_STRIDE rounds apart; a window's share has no such limit
+    assert cadence.cap_stride(100, 4) == cadence.MAX_STRIDE == 8 and cadence.cap_stride(1000, 4, limit=None) == 250
+    assert cadence.cap_stride(16, 4, limit=None) == cadence.cap_stride(16, 4) == 4
     assert cadence.cap_stride(1000, 4) == cadence.MAX_STRIDE
 
 

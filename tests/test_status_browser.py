@@ -163,7 +163,7 @@ def fake_status(n: int) -> dict:
     return {
         "peer_id": ids[0], "addr": members[0]["addr"], "step": 500, "active": True, "loss": 3.0, "val_loss": 3.1,
         "sync_every": 4, "overlap": True, "inner_step": 2002, "bytes_per_sample": 2048.0,
-        "pacing": {"max_contributors": 4, "stride": 8, "free_running": False},
+        "pacing": {"max_contributors": 4, "stride": 8, "payload_share": 12, "free_running": False},
         "tokens_per_s": 5000.0, "members": members, "bytes_sent": {"grads": 10**9}, "bytes_received": {"grads": 2 * 10**9},
         "dense_bytes": 10**11, "compression_ratio": 190.0, "rounds": {}, "rejected": {"codec": 2}, "dropped_sends": 0,
         "events": [], "param_sketch": None, "now": now, "compression": "topk-int8",
@@ -221,8 +221,8 @@ async def test_page_stays_usable_with_fifty_peers_and_draws_the_ownership_map(tm
             assert await page.text_content("#c-peers") == "48"
             # a swarm in windows of local steps says so, and what it sends per sample
             assert "windows of 4 inner steps, overlapped (inner step 2,002)" in await page.text_content("#c-step-sub")
-            # 48 contributors and a cap of 4: each window's payload at 1/8 of its entries
-            assert "payloads at 1/8 of their entries (--max-contributors 4)" in await page.text_content("#c-step-sub")
+            # 48 contributors and a cap of 4: each window's payload at 1/12 of its entries
+            assert "payloads at 1/12 of their entries (--max-contributors 4)" in await page.text_content("#c-step-sub")
             assert "sent per sample" in await page.text_content("#c-wire-sub")
             assert await page.text_content("#c-peers-sub") == "1 suspect · 1 dead · 0 left"
             assert await ink(page, "loss-chart") > 100

@@ -36,13 +36,17 @@ LEAD_SHARE = 4  # --push-lead auto leads a window's row pushes by at most 1/this
 WINDOW_FIT = 1.1  # a whole window is shortened only when it ended over this x later than the others' (or cut with over 1 - 1/this of it left)
 
 
-def cap_stride(contributors: int, cap: int) -> int:
+def cap_stride(contributors: int, cap: int, limit: int | None = MAX_STRIDE) -> int:
     """Rounds between two payloads of a peer so that at least ``cap`` (and fewer than 2 x ``cap``)
     of ``contributors`` send per round: floor(contributors / cap), at least 1, so a robust rule
-    always has ``cap`` payloads to work on; ``cap`` 0 is no cap (every round)."""
+    always has ``cap`` payloads to work on; ``cap`` 0 is no cap (every round). At most ``limit``
+    (MAX_STRIDE: the sum of a peer's steps between two payloads stays fresher than
+    --max-staleness); None: no limit, for the share of a window's payload, which sums nothing
+    (swarm/local_steps.py: every peer sends every window, at 1/k of its entries)."""
     if cap <= 0 or contributors < 2 * cap:
         return 1
-    return min(MAX_STRIDE, contributors // cap)
+    k = contributors // cap
+    return k if limit is None else min(limit, k)
 
 
 def phase(self_id: str, ids: Collection[str], stride: int) -> int:

@@ -209,7 +209,7 @@ function taskLine(t) {
 // every k rounds; in windows every window's payload at 1/k of its entries
 function capLine(s) {
   const p = s.pacing || {};
-  const k = p.stride || 1;
+  const k = (s.sync_every > 1 ? p.payload_share : p.stride) || 1;
   if (k <= 1) return "";
   return s.sync_every > 1
     ? ` · payloads at 1/${k} of their entries (--max-contributors ${p.max_contributors})`
