@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402  bench/wan.py: namespaces, processes, curve helpers
 
 ROOT = wan.ROOT
+sys.path.insert(1, str(ROOT))  # swarm itself (paper_model), from a checkout that is not installed
 WINDOW = wan.WINDOW  # peer.py's running-mean window of the loss
 # flags the benchmark sets itself on every peer (refused in --peer-args)
 OWN_FLAGS = ("--steps", "--batch-size", "--threads", "--join", "--host", "--port", "--name",
