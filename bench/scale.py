@@ -291,15 +291,15 @@ def paper_model(payload: float | None, other_sent: float | None, other_received:
     out = {"payload_bytes": payload, "contributors": contributors,
            "other_sent_per_step": other_sent, "other_received_per_step": other_received}
     for p in sizes:
-        k = cadence.cap_stride(p, contributors)
+        k, k_free = cadence.cap_stride(p, contributors), cadence.cap_stride(p, contributors, limit=None)
         out[str(p)] = {
             "all_to_all": {"sent": round(payload * (p - 1) + o_s), "received": round(payload * (p - 1) + o_r)},
             "capped": {"sent": round(payload * (p - 1) / k + o_s), "received": round(payload * (p - 1) / k + o_r),
                        "rounds_between_contributions": k,
                        # without the stride's limit (every floor(P/C) rounds): about C payloads each way;
                        # also what windows of local steps send (every window at 1/floor(P/C) of a payload)
-                       "unlimited_stride": {"sent": round(payload * (p - 1) / max(1, p // contributors) + o_s),
-                                            "rounds_between_contributions": max(1, p // contributors)}},
+                       "unlimited_stride": {"sent": round(payload * (p - 1) / k_free + o_s),
+                                            "rounds_between_contributions": k_free}},
         }
     return out
 

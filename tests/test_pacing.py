@@ -271,19 +271,24 @@ def test_payload_carries_samples_and_next_round_and_refuses_bad_ones():
 
 
 # -- real peers ----------------------------------------------------------------------------------------
-async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_replicas():
-    peers = await start_peers(8, steps=16, min_peers=8, max_contributors=3, round_timeout=10.0)
-    victim = peers[5]
+async def _run_losing_one(peers: list, victim: int, at_round: int, timeout: float) -> list[dict]:
+    """Run every peer; once each has taken ``at_round`` rounds, close peers[victim] without a word
+    (the others find out by SWIM). Returns the survivors' summaries, in order; all closed after."""
     runs = [asyncio.ensure_future(p.run()) for p in peers]
     try:
-        while min(p.book.step for p in peers) < 6:
+        while min(p.book.step for p in peers) < at_round:
             await asyncio.sleep(0.05)
-        await victim.close()  # gone without a word: the others find out by SWIM
-        results = await asyncio.wait_for(asyncio.gather(*[r for i, r in enumerate(runs) if i != 5]), 200)
+        await peers[victim].close()
+        return await asyncio.wait_for(asyncio.gather(*[r for i, r in enumerate(runs) if i != victim]), timeout)
     finally:
         for p in peers:
             await p.close()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_replicas():
+    peers = await start_peers(8, steps=16, min_peers=8, max_contributors=3, round_timeout=10.0)
+    results = await _run_losing_one(peers, victim=5, at_round=6, timeout=200)
     survivors = [p for i, p in enumerate(peers) if i != 5]
     for r, p in zip(results, survivors):
         assert r["steps"] == 16 and r["final_loss"] < r["first_loss"]
@@ -309,17 +314,7 @@ async def test_eight_peers_in_windows_send_half_payloads_lose_one_and_keep_ident
             return real(*args, **kwargs)
 
         p.compressor.compress = spy
-    victim = peers[5]
-    runs = [asyncio.ensure_future(p.run()) for p in peers]
-    try:
-        while min(p.book.step for p in peers) < 2:
-            await asyncio.sleep(0.05)
-        await victim.close()  # gone without a word: the others find out by SWIM
-        results = await asyncio.wait_for(asyncio.gather(*[r for i, r in enumerate(runs) if i != 5]), 240)
-    finally:
-        for p in peers:
-            await p.close()
-        await asyncio.gather(*runs, return_exceptions=True)
+    results = await _run_losing_one(peers, victim=5, at_round=2, timeout=240)
     for i, r in zip([i for i in range(8) if i != 5], results):
         assert r["steps"] == 24 and r["rounds"] == 6 and r["val_loss"] < r["first_loss"] - 1.0, r
         assert len(shares[i]) == 6 and shares[i][:2] == [2, 2] and shares[i][-1] == 1, shares
