@@ -274,32 +274,45 @@ def target_check(by_peers: dict[str, dict], small: str = "4", big: str = "16", f
             "met_steady": None if st_s is None or st_r is None else (st_s <= factor and st_r <= factor)}
 
 
+REQUEST_BYTES = 512  # a payload's request and answer beyond its body: HTTP lines and headers, 326 B of them the signature's (an estimate)
+# a payload body's part that does not shrink with its entries (codec header, block scales): fitted to
+# the default model's topk-int8 payloads of 17,511 and 41 entries (32,986 and 347 B)
+PAYLOAD_FIXED_BYTES = 270
+
+
 def paper_model(payload: float | None, other_sent: float | None, other_received: float | None,
                 contributors: int, sizes: tuple[int, ...] = (100, 1000)) -> dict | None:
     """Bytes per peer per step on paper at swarm sizes the machine cannot run. all_to_all: each
     peer sends its payload to every other member every step (payload x (P-1) sent and received).
-    capped: the rule as built (swarm/core/cadence.py cap_stride): each peer contributes every
-    k = floor(P/C) rounds, but k is at most cadence.MAX_STRIDE (8: a peer's summed steps must stay
-    fresher than --max-staleness), so it sends (P-1)/k payloads a step and receives as many: about
-    C up to 8C peers, then growing with P again, 8x below all-to-all. `other_*`: the measured row
-    and control bytes per peer step (rows depend on the batch, not P; membership is per second)."""
+    capped: the default rule as built (--cap-by bytes, swarm/pacing.py): every peer sends every
+    step, each payload at 1/k of its entries, k = floor(P/C) (cadence.cap_stride without a limit),
+    so about C payloads' entries each way at any size; what grows with P is the count of payloads,
+    each with PAYLOAD_FIXED_BYTES that do not shrink (counted in sent and received) and a request
+    of about REQUEST_BYTES beyond its body (``requests``, not counted in them).
+    capped_by_rounds (--cap-by rounds): each peer sends a whole payload every k = floor(P/C) rounds,
+    but k is at most cadence.MAX_STRIDE (8: a peer's summed steps must stay fresher than
+    --max-staleness), so it sends (P-1)/k payloads a step and receives as many: about C up to 8C
+    peers, then growing with P again, 8x below all-to-all. `other_*`: the measured row and control
+    bytes per peer step (rows depend on the batch, not P; membership is per second)."""
     from swarm.core import cadence
 
     if payload is None:
         return None
     o_s, o_r = other_sent or 0.0, other_received or 0.0
-    out = {"payload_bytes": payload, "contributors": contributors,
+    out = {"payload_bytes": payload, "contributors": contributors, "request_bytes": REQUEST_BYTES,
            "other_sent_per_step": other_sent, "other_received_per_step": other_received}
     for p in sizes:
-        k, k_free = cadence.cap_stride(p, contributors), cadence.cap_stride(p, contributors, limit=None)
+        k, share = cadence.cap_stride(p, contributors), cadence.cap_stride(p, contributors, limit=None)
+        fixed = min(payload, PAYLOAD_FIXED_BYTES)
+        split = (payload - fixed) / share + fixed  # one payload at 1/share of its entries
         out[str(p)] = {
             "all_to_all": {"sent": round(payload * (p - 1) + o_s), "received": round(payload * (p - 1) + o_r)},
-            "capped": {"sent": round(payload * (p - 1) / k + o_s), "received": round(payload * (p - 1) / k + o_r),
-                       "rounds_between_contributions": k,
-                       # without the stride's limit (every floor(P/C) rounds): about C payloads each way;
-                       # also what windows of local steps send (every window at 1/floor(P/C) of a payload)
-                       "unlimited_stride": {"sent": round(payload * (p - 1) / k_free + o_s),
-                                            "rounds_between_contributions": k_free}},
+            "capped": {"sent": round(split * (p - 1) + o_s), "received": round(split * (p - 1) + o_r),
+                       "payload_share": share, "requests": {"per_step": p - 1, "bytes": (p - 1) * REQUEST_BYTES}},
+            "capped_by_rounds": {"sent": round(payload * (p - 1) / k + o_s), "received": round(payload * (p - 1) / k + o_r),
+                                 "rounds_between_contributions": k,
+                                 "requests": {"per_step": round((p - 1) / k, 1),
+                                              "bytes": round((p - 1) / k * REQUEST_BYTES)}},
         }
     return out
 

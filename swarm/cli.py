@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from . import threads
 from .allocator import keep_freed_memory, limit_arenas
-from .config import PUSH_ACKS, WIRE_COMPRESSIONS, ConfigError, PeerConfig, field_names, from_env, parse_push_lead, parse_window_push_wait
+from .config import CAP_BY, PUSH_ACKS, WIRE_COMPRESSIONS, ConfigError, PeerConfig, field_names, from_env, parse_push_lead, parse_window_push_wait
 from .limits import MEMBER_BUDGET, OUTSIDER_BUDGET
 from .task_errors import TaskError, UserCodeError, parse_task_args
 
@@ -29,7 +29,7 @@ A flag on the command line wins over the environment.
 
 Swarm-wide settings (what shapes the shared update: --seed, --budget, --lr, --aggregation, --trim,
 --msg-clip, --compression, --ratio, --chunk, --warmup-steps, --min-payload, --clip-norm, --table-lr,
---push-dtype, --row-state, --row-clip, --max-staleness, --sketch-every, --ef-decay, --max-contributors, and the local-step
+--push-dtype, --row-state, --row-clip, --max-staleness, --sketch-every, --ef-decay, --max-contributors, --cap-by, and the local-step
 settings --sync-every, --outer-lr, --outer-momentum, --outer-nesterov, --overlap, --row-ratio) are fixed by the
 peer that starts the swarm and kept in its checkpoints; a joiner adopts those it does not give and is refused (exit 2) when it gives
 another value. Every other flag is this peer's own.
@@ -138,12 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--overlap", type=int, help="1 = a round travels while the next step (with --sync-every: the next window) "
       "computes, and its update lands one round later (per-step: with weight prediction); default 0: each round is "
       "taken before the next step or window")
-    a("--max-contributors", type=int, help="about this many peers send a payload per round: with more contributing "
-                                           "peers each sends every min(8, floor(peers / this)) rounds the sum of its "
-                                           "steps' gradients, so a peer's bytes stay about this many payloads up to 8x "
-                                           "this many peers (with --sync-every: every window's payload, at "
-                                           "1/floor(peers / this) of its entries, at any size); 0: every peer every "
-                                           f"round (default {d.max_contributors})")
+    a("--max-contributors", type=int, help="about this many payloads' bytes per round: with 2C or more contributing "
+                                           "peers (C: this) each sends every round's payload at 1/floor(peers / C) of "
+                                           "its entries (--cap-by bytes; with --sync-every always), so a peer's bytes "
+                                           "stay about C payloads at any size; 0: every peer sends whole payloads "
+                                           f"(default {d.max_contributors})")
+    a("--cap-by", choices=CAP_BY, help="how --max-contributors holds per step: bytes (every peer every round, at "
+      "1/k of its entries; error feedback keeps the rest) or rounds (a whole payload every min(8, k) rounds, the "
+      "mean of the steps since the last: fewer peers per round to wait for, staler sums); a dense codec "
+      f"(--compression none) caps by rounds (default {d.cap_by})")
     a("--row-ratio", type=float, help="with --sync-every: push only this share of a window's table-row deltas, "
       "the largest first; the others are kept and added to the row's next delta (error feedback; default 1: all)")
     a("--clip-norm", type=float, help="clip each step's gradient to this L2 norm before compression (0 = off)")

@@ -17,6 +17,9 @@ from .threads import default_threads
 COMPRESSION_MODES = ("none", "topk", "topk-int8", "topk-int4", "topk-int2")
 ROW_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # table rows and row gradients on the wire
 AGGREGATION_RULES = ("mean", "trimmed", "centered-clip")  # swarm/robust.py RULES
+# how the contributor cap holds per step (swarm/pacing.py): every peer sends every round at 1/k of its
+# entries, or a whole payload every k rounds (a dense codec's payload cannot split: it caps by rounds)
+CAP_BY = ("bytes", "rounds")
 ROW_STATES = ("full", "rowwise")  # the table optimizer's second moment: per value, or one per row (tables/shard.py)
 
 
@@ -72,9 +75,11 @@ class PeerConfig:
     outer_momentum: float = 0.0
     outer_nesterov: int = 0  # 1 = Nesterov outer momentum (DiLoCo's recipe: lr 0.7, momentum 0.9)
     overlap: int = 0  # 1 = round t travels while step (or window) t+1 computes (a one-round-delayed update)
-    # a round's contributors, at most about this many: with more contributing peers each sends a
-    # payload every floor(P / C) rounds, summing its steps between them (0: every peer, every round)
+    # a round's payload bytes, about this many payloads' worth: with P >= 2C contributing peers each
+    # sends 1/floor(P / C) of its entries (--cap-by bytes) or a payload every floor(P / C) rounds,
+    # summing its steps between them (--cap-by rounds); 0: no cap
     max_contributors: int = 4
+    cap_by: str = "bytes"  # how the cap holds per step (windows always split bytes): "bytes" or "rounds"
     row_ratio: float = 1.0  # with local steps: the share of a window's row deltas pushed (largest first; the rest carried)
     # with local steps: a window's row deltas go this many inner steps before its end, so that they
     # travel while its last steps compute; those steps' deltas are carried to the next push (0: at
@@ -226,6 +231,7 @@ class PeerConfig:
         need(not self.outer_nesterov or self.outer_momentum > 0, "--outer-nesterov needs an --outer-momentum > 0")
         need(self.overlap in (0, 1), f"--overlap must be 0 or 1, got {self.overlap}")
         need(0 <= self.max_contributors <= 4096, f"--max-contributors must be in 0..4096, got {self.max_contributors}")
+        need(self.cap_by in CAP_BY, f"--cap-by must be one of {', '.join(CAP_BY)}, got {self.cap_by!r}")
         need(0 < self.row_ratio <= 1, f"--row-ratio must be in (0, 1], got {self.row_ratio}")
         need(self.row_ratio == 1 or self.sync_every > 1, "--row-ratio needs --sync-every > 1 (it selects window deltas)")
         need(self.push_lead in (-1, 0) or 0 < self.push_lead < self.sync_every,

@@ -47,7 +47,7 @@ from .tables.http import TableClient
 from .tables.ownership import slot_bounds
 from .tables.service import TableService
 from .outer import OuterConfig
-from .pacing import Pacing
+from .pacing import Pacing, Send
 from .replica import MAX_NONFINITE, Replica, StepStats
 from .roles import Role, Solo
 from .task import Task, TaskError, TaskTypeError, load_task
@@ -840,10 +840,10 @@ class Peer:
         return prefetched, stats.loss
 
     def _compute(self, batch, want, rows, step: int, reducer: Callable[[torch.Tensor], None] | None,
-                 send_next: int | None, ranks: int = 1, ahead: bool = False) -> tuple[StepStats, dict, Encoded | None]:
+                 send: Send | None, ranks: int = 1, ahead: bool = False) -> tuple[StepStats, dict, Encoded | None]:
         """Forward/backward, the role's reduction of the dense gradient (a host group's all_reduce),
-        its gradient summed since our last payload, and (``send_next``: the round we declare next)
-        round ``step``'s payload of that sum: one trip to the training thread."""
+        its gradient summed since our last payload, and (``send``: the round we declare next and the
+        payload's share, Pacing.plan_next) round ``step``'s payload of that sum: one trip to the training thread."""
         t0 = time.perf_counter()
         stats, flat, row_grads = self.replica.compute(batch, want, rows, ahead)
         self.slow_down(t0, batch, want, rows)
@@ -851,7 +851,7 @@ class Peer:
         if reducer is not None:
             reducer(flat)
         self.pacing.add(flat, stats.samples * ranks if stats.finite else 0)
-        enc = self.pacing.payload(step, send_next, self.replica.manifest.numel) if send_next is not None else None
+        enc = self.pacing.payload(step, send, self.replica.manifest.numel) if send is not None else None
         return stats, row_grads, enc
 
     async def free_step(self, role: "Role", step: int) -> None:
@@ -876,8 +876,8 @@ class Peer:
             await self.after_step(s, stats.loss)
         due = self.pacing.due_round(self.book.step)
         if self.pacing.pending_steps and not self.is_last_round(due - 1) and self.pacing.pace.due(due, time.monotonic()):
-            nxt = self.pacing.plan_next(due)
-            enc = await self.work(self.pacing.payload, due, nxt, self.replica.manifest.numel)
+            send = self.pacing.plan_next(due)
+            enc = await self.work(self.pacing.payload, due, send, self.replica.manifest.numel)
             self.send_payload(enc)
             self.record_payload(enc)
             self.pacing.publish()

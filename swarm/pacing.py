@@ -10,6 +10,7 @@ thread* run there (Peer.work); the others on the event loop.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,16 @@ if TYPE_CHECKING:
     from .codec import Encoded
     from .node import Peer
 
-__all__ = ["Pacing"]
+__all__ = ["Pacing", "Send"]
+
+
+@dataclass(frozen=True)
+class Send:
+    """What a payload of ours carries for the cap, decided on the event loop (which holds the
+    membership) and encoded on the training thread."""
+
+    next_round: int  # the round we contribute to next
+    share: int = 1  # the payload carries 1/share of the entries its codec would send
 
 
 class Pacing:
@@ -45,22 +55,37 @@ class Pacing:
         ids = [pid for pid, m in self.peer.metas().items() if m.contributor]
         return sorted(set(ids) | {self.peer.id})
 
+    def splits_bytes(self) -> bool:
+        """The cap holds by bytes (every peer every round, at 1/k of its entries) rather than by
+        rounds: always in windows; per step with --cap-by bytes and a sparse codec (a dense payload
+        cannot send a share of its entries)."""
+        cfg = self.peer.cfg
+        return cfg.sync_every > 1 or (cfg.cap_by == "bytes" and cfg.compression != "none")
+
     def cap_stride(self) -> int:
+        """Rounds between two of our payloads that the cap asks for: k (at most cadence.MAX_STRIDE)
+        when it holds by rounds, else 1."""
+        if self.splits_bytes():
+            return 1
         return cadence.cap_stride(len(self.contributor_ids()), self.cap)
 
     def payload_share(self) -> int:
-        """With local steps: k, the share of its entries a window's payload carries (1/k): the cap's
-        floor(P / C) without the stride's limit, as a window's payload is not a sum of stale steps,
-        so a peer's payload bytes stay about C payloads' at any swarm size."""
+        """k, where our payloads carry 1/k of the entries their codec would send when the cap holds
+        by bytes (else 1): the cap's floor(P / C) without the stride's limit, as such a payload is
+        not a sum of stale steps, so a peer's payload bytes stay about C payloads' at any swarm
+        size."""
+        if not self.splits_bytes():
+            return 1
         return cadence.cap_stride(len(self.contributor_ids()), self.cap, limit=None)
 
-    def plan_next(self, after: int) -> int:
-        """The round we declare next when we send round ``after``'s payload: the cap's rotation, or
-        further on when our compute needs it (a free-running peer)."""
+    def plan_next(self, after: int) -> Send:
+        """What we send with round ``after``'s payload: the round we declare next (the cap's
+        rotation, or further on when our compute needs it: a free-running peer) and the share of
+        its entries it carries."""
         ids = self.contributor_ids()
-        cap_k = cadence.cap_stride(len(ids), self.cap)
+        cap_k = self.cap_stride()
         ph = cadence.phase(self.peer.id, ids, cap_k)
-        return cadence.next_round(after, max(cap_k, self.pace.stride()), cap_k, ph)
+        return Send(cadence.next_round(after, max(cap_k, self.pace.stride()), cap_k, ph), self.payload_share())
 
     def due_round(self, step: int) -> int:
         """The round our next payload is for, as of taking round ``step``: the one we declared, or
@@ -109,9 +134,10 @@ class Pacing:
         self._samples += samples
         self._steps += 1
 
-    def payload(self, step: int, nxt: int, n: int) -> "Encoded":
-        """Round ``step``'s payload: the mean gradient of every sample since the last one, saying
-        those samples and ``nxt``, the round we contribute to next (training thread)."""
+    def payload(self, step: int, send: Send, n: int) -> "Encoded":
+        """Round ``step``'s payload: the mean gradient of every sample since the last one, at
+        ``send.share`` of its entries, saying those samples and ``send.next_round``, the round we
+        contribute to next (training thread)."""
         if self._sum is None:
             mean, samples = torch.zeros(n), None  # nothing finite since the last payload: an empty update
         elif self._steps == 1:
@@ -121,8 +147,9 @@ class Pacing:
         self.summed += self._steps
         self._sum, self._samples, self._steps = None, 0, 0
         self.sent += 1
-        self.next_round, self.declared_at = nxt, step
-        return self.peer.compressor.compress(mean, step, samples=samples, next_round=nxt)
+        self.next_round, self.declared_at = send.next_round, step
+        return self.peer.compressor.compress(mean, step, samples=samples, next_round=send.next_round,
+                                             share=send.share)
 
     @property
     def pending_steps(self) -> int:
@@ -134,6 +161,7 @@ class Pacing:
         per = self.pace.period()
         return {"max_contributors": self.cap, "next_round": self.next_round, "free_running": self.pace.free,
                 "stride": max(self.cap_stride(), self.pace.stride()), "payload_share": self.payload_share(),
+                "cap_by": "bytes" if self.splits_bytes() else "rounds",
                 "pending_steps": self._steps,
                 "payloads_sent": self.sent, "steps_summed": self.summed,
                 "compute_ms": round(ms * 1000, 1) if ms else None,

@@ -28,14 +28,14 @@ SWARM_WIDE: dict[str, str] = {
     "ef_decay": "--ef-decay", "sync_every": "--sync-every", "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum", "outer_nesterov": "--outer-nesterov", "overlap": "--overlap",
     "row_ratio": "--row-ratio", "row_state": "--row-state", "max_contributors": "--max-contributors",
-    "row_clip": "--row-clip",
+    "cap_by": "--cap-by", "row_clip": "--row-clip",
 }
 _TYPES = {f.name: type(f.default) for f in dataclasses.fields(PeerConfig) if f.name in SWARM_WIDE}
 # settings added after others were already kept in checkpoints and sent at join: a checkpoint or a
 # peer that does not name one ran with its value here (what the code did before the setting existed)
 ADDED_LATER: dict[str, Any] = {"chunk": 0, "ef_decay": 1.0, "sync_every": 1, "outer_lr": 1.0,
                                "outer_momentum": 0.0, "outer_nesterov": 0, "overlap": 0, "row_ratio": 1.0, "row_state": "full",
-                               "max_contributors": 0, "row_clip": 0.0}
+                               "max_contributors": 0, "row_clip": 0.0, "cap_by": "rounds"}
 
 
 def of(cfg: PeerConfig) -> dict[str, Any]:

@@ -109,17 +109,23 @@ def test_target_check_both_directions():
 def test_paper_model():
     m = scale.paper_model(50_000.0, 1000.0, 800.0, 4)
     assert m["100"]["all_to_all"] == {"sent": 50_000 * 99 + 1000, "received": 50_000 * 99 + 800}
-    # as built: a peer contributes every floor(P/C) rounds, at most every 8th (cadence.MAX_STRIDE)
-    assert m["100"]["capped"]["rounds_between_contributions"] == m["1000"]["capped"]["rounds_between_contributions"] == 8
-    assert m["1000"]["capped"]["sent"] == round(50_000 * 999 / 8 + 1000)
-    assert m["1000"]["capped"]["received"] == round(50_000 * 999 / 8 + 800)
-    # so past 8C peers capped bytes grow with P again, 8x below all-to-all; without the limit
-    # they would stay at about C payloads
-    assert m["1000"]["all_to_all"]["sent"] / m["1000"]["capped"]["sent"] > 7.9
-    assert m["1000"]["capped"]["unlimited_stride"]["rounds_between_contributions"] == 250
-    assert m["1000"]["capped"]["unlimited_stride"]["sent"] == round(50_000 * 999 / 250 + 1000)
+    # the default, --cap-by bytes: every peer every step at 1/floor(P/C) of a payload, about C
+    # payloads each way at any size; the count of requests still grows with P
+    assert m["1000"]["capped"]["payload_share"] == 250 and m["100"]["capped"]["payload_share"] == 25
+    one = (50_000 - scale.PAYLOAD_FIXED_BYTES) / 250 + scale.PAYLOAD_FIXED_BYTES  # what does not shrink stays
+    assert m["1000"]["capped"]["sent"] == round(one * 999 + 1000) and m["1000"]["capped"]["received"] == round(one * 999 + 800)
+    assert m["1000"]["capped"]["sent"] < 2.5 * m["100"]["capped"]["sent"]
+    assert m["1000"]["capped"]["requests"] == {"per_step": 999, "bytes": 999 * scale.REQUEST_BYTES}
+    # --cap-by rounds: a whole payload every floor(P/C) rounds, at most every 8th
+    # (cadence.MAX_STRIDE), so past 8C peers its bytes grow with P again, 8x below all-to-all
+    by_rounds = m["1000"]["capped_by_rounds"]
+    assert by_rounds["rounds_between_contributions"] == m["100"]["capped_by_rounds"]["rounds_between_contributions"] == 8
+    assert by_rounds["sent"] == round(50_000 * 999 / 8 + 1000) and by_rounds["received"] == round(50_000 * 999 / 8 + 800)
+    assert m["1000"]["all_to_all"]["sent"] / by_rounds["sent"] > 7.9
     small = scale.paper_model(50_000.0, 0.0, 0.0, 4, sizes=(4, 16))
-    assert small["4"]["capped"]["sent"] == 150_000 and small["16"]["capped"]["sent"] == round(50_000 * 15 / 4)
+    assert small["4"]["capped"]["sent"] == small["4"]["capped_by_rounds"]["sent"] == 150_000
+    assert small["16"]["capped_by_rounds"]["sent"] == round(50_000 * 15 / 4)
+    assert small["16"]["capped"]["sent"] == round(((50_000 - scale.PAYLOAD_FIXED_BYTES) / 4 + scale.PAYLOAD_FIXED_BYTES) * 15)
     assert scale.paper_model(None, 0, 0, 4) is None
 
 

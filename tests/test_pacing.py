@@ -32,6 +32,35 @@ def test_cap_stride_is_one_up_to_the_cap_then_grows_with_the_swarm():
     assert cadence.cap_stride(1000, 4) == cadence.MAX_STRIDE
 
 
+class _Swarm:
+    """What Pacing reads of its peer: its id, its config, the members' metadata (no sockets)."""
+
+    def __init__(self, contributors: int, **cfg):
+        self.id = "p00"
+        self.cfg = small_cfg(**cfg)
+        self._metas = {f"p{i:02d}": PeerMeta(active=True) for i in range(1, contributors)}
+
+    def metas(self) -> dict:
+        return self._metas
+
+
+def test_the_cap_splits_bytes_per_step_by_default_and_rounds_when_asked_or_dense():
+    """--cap-by bytes: every round, at 1/k of the entries (no limit of 8 on k); --cap-by rounds, or
+    a dense codec (which cannot split a payload): a whole payload every min(8, k) rounds on our
+    phase; windows always split bytes; under 2C contributors nothing changes."""
+    from swarm.pacing import Pacing, Send
+    assert Pacing(_Swarm(16)).plan_next(5) == Send(6, 4)
+    assert Pacing(_Swarm(100)).plan_next(5) == Send(6, 25)
+    assert Pacing(_Swarm(16, sync_every=4, steps=40, cap_by="rounds")).plan_next(5) == Send(6, 4)
+    assert Pacing(_Swarm(7)).plan_next(5) == Send(6, 1)
+    for cfg in ({"cap_by": "rounds"}, {"compression": "none"}):
+        pacing = Pacing(_Swarm(16, **cfg))
+        assert not pacing.splits_bytes() and pacing.cap_stride() == 4
+        assert pacing.plan_next(5) == Send(12, 1)  # 4 rounds on, then on p00's phase (0 of 4)
+        assert pacing.status()["cap_by"] == "rounds"
+    assert Pacing(_Swarm(100, cap_by="rounds")).plan_next(5) == Send(16, 1)  # stride 8
+
+
 def test_phases_spread_peers_evenly_over_the_rounds():
     ids = [f"p{i:02d}" for i in range(16)]
     k = cadence.cap_stride(len(ids), 4)
@@ -286,8 +315,8 @@ async def _run_losing_one(peers: list, victim: int, at_round: int, timeout: floa
         await asyncio.gather(*runs, return_exceptions=True)
 
 
-async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_replicas():
-    peers = await start_peers(8, steps=16, min_peers=8, max_contributors=3, round_timeout=10.0)
+async def test_eight_peers_with_a_cap_of_three_by_rounds_lose_one_and_keep_identical_replicas():
+    peers = await start_peers(8, steps=16, min_peers=8, max_contributors=3, cap_by="rounds", round_timeout=10.0)
     results = await _run_losing_one(peers, victim=5, at_round=6, timeout=200)
     survivors = [p for i, p in enumerate(peers) if i != 5]
     for r, p in zip(results, survivors):
@@ -299,13 +328,9 @@ async def test_eight_peers_with_a_cap_of_three_lose_one_and_keep_identical_repli
     assert all(s == sketches[0] for s in sketches)  # bit-identical
 
 
-async def test_eight_peers_in_windows_send_half_payloads_lose_one_and_keep_identical_replicas():
-    """Windows of local steps at 8 peers and the default cap (4): every peer sends every window's
-    payload at half its entries (k = 2); once one is gone (7 contributors: k = 1) the payloads are
-    whole again; the survivors finish bit-identical with falling loss."""
-    peers = await start_peers(8, steps=24, min_peers=8, sync_every=4, round_timeout=10.0)
-    assert peers[0].cfg.max_contributors == 4  # the default
-    shares: dict[int, list[int]] = {i: [] for i in range(8)}
+def _spy_shares(peers: list) -> dict[int, list[int]]:
+    """The share each peer's payloads were compressed at, in order (Compressor.compress's ``share``)."""
+    shares: dict[int, list[int]] = {i: [] for i in range(len(peers))}
     for i, p in enumerate(peers):
         real = p.compressor.compress
 
@@ -314,10 +339,38 @@ async def test_eight_peers_in_windows_send_half_payloads_lose_one_and_keep_ident
             return real(*args, **kwargs)
 
         p.compressor.compress = spy
+    return shares
+
+
+async def test_eight_peers_in_windows_send_half_payloads_lose_one_and_keep_identical_replicas():
+    """Windows of local steps at 8 peers and the default cap (4): every peer sends every window's
+    payload at half its entries (k = 2); once one is gone (7 contributors: k = 1) the payloads are
+    whole again; the survivors finish bit-identical with falling loss."""
+    peers = await start_peers(8, steps=24, min_peers=8, sync_every=4, round_timeout=10.0)
+    assert peers[0].cfg.max_contributors == 4  # the default
+    shares = _spy_shares(peers)
     results = await _run_losing_one(peers, victim=5, at_round=2, timeout=240)
     for i, r in zip([i for i in range(8) if i != 5], results):
         assert r["steps"] == 24 and r["rounds"] == 6 and r["val_loss"] < r["first_loss"] - 1.0, r
         assert len(shares[i]) == 6 and shares[i][:2] == [2, 2] and shares[i][-1] == 1, shares
+    sketches = [r["param_sketch"] for r in results]
+    assert all(s == sketches[0] for s in sketches)  # bit-identical
+
+
+async def test_eight_peers_per_step_send_every_round_at_half_their_entries_lose_one_and_agree():
+    """Per-step rounds at 8 peers and the default cap (4, --cap-by bytes): every peer sends a
+    payload every round, each at half its entries (k = 2), one step's gradient each (no sums, no
+    declared strides); once one is gone the payloads are whole again; the survivors finish
+    bit-identical with falling loss."""
+    peers = await start_peers(8, steps=16, min_peers=8, free_run=0, round_timeout=10.0)
+    assert peers[0].cfg.cap_by == "bytes" and peers[0].pacing.splits_bytes()
+    shares = _spy_shares(peers)
+    results = await _run_losing_one(peers, victim=5, at_round=4, timeout=200)
+    for i, (r, p) in zip([i for i in range(8) if i != 5], zip(results, [p for j, p in enumerate(peers) if j != 5])):
+        assert r["steps"] == 16 and r["final_loss"] < r["first_loss"], r
+        st = p.pacing.status()
+        assert st["payloads_sent"] == 16 and st["steps_summed"] == 16 and st["cap_by"] == "bytes", st
+        assert shares[i][:3] == [2, 2, 2] and shares[i][-1] == 1, shares
     sketches = [r["param_sketch"] for r in results]
     assert all(s == sketches[0] for s in sketches)  # bit-identical
 

@@ -163,7 +163,7 @@ def fake_status(n: int) -> dict:
     return {
         "peer_id": ids[0], "addr": members[0]["addr"], "step": 500, "active": True, "loss": 3.0, "val_loss": 3.1,
         "sync_every": 4, "overlap": True, "inner_step": 2002, "bytes_per_sample": 2048.0,
-        "pacing": {"max_contributors": 4, "stride": 8, "payload_share": 12, "free_running": False},
+        "pacing": {"max_contributors": 4, "stride": 1, "payload_share": 12, "free_running": False, "cap_by": "bytes"},
         "tokens_per_s": 5000.0, "members": members, "bytes_sent": {"grads": 10**9}, "bytes_received": {"grads": 2 * 10**9},
         "dense_bytes": 10**11, "compression_ratio": 190.0, "rounds": {}, "rejected": {"codec": 2}, "dropped_sends": 0,
         "events": [], "param_sketch": None, "now": now, "compression": "topk-int8",
@@ -223,6 +223,15 @@ async def test_page_stays_usable_with_fifty_peers_and_draws_the_ownership_map(tm
             assert "windows of 4 inner steps, overlapped (inner step 2,002)" in await page.text_content("#c-step-sub")
             # 48 contributors and a cap of 4: each window's payload at 1/12 of its entries
             assert "payloads at 1/12 of their entries (--max-contributors 4)" in await page.text_content("#c-step-sub")
+            # per step: the share (--cap-by bytes), the stride (--cap-by rounds), or a free runner's both
+            cap = "([p, every]) => capLine({sync_every: every, pacing: {max_contributors: 4, ...p}})"
+            assert await page.evaluate(cap, [{"payload_share": 4, "stride": 1}, 1]) == (
+                " · payloads at 1/4 of their entries (--max-contributors 4)")
+            assert await page.evaluate(cap, [{"payload_share": 1, "stride": 4}, 1]) == (
+                " · a payload every 4 rounds (--max-contributors 4, --cap-by rounds)")
+            assert await page.evaluate(cap, [{"payload_share": 4, "stride": 3, "free_running": True}, 1]) == (
+                " · payloads at 1/4 of their entries (--max-contributors 4) · a payload every 3 rounds (free-running)")
+            assert await page.evaluate(cap, [{"payload_share": 1, "stride": 1}, 1]) == ""
             assert "sent per sample" in await page.text_content("#c-wire-sub")
             assert await page.text_content("#c-peers-sub") == "1 suspect · 1 dead · 0 left"
             assert await ink(page, "loss-chart") > 100

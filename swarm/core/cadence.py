@@ -3,10 +3,12 @@
 Two things keep a round from waiting on every member, every step (docs/design.md, "Uneven peers
 and large swarms"):
 
-* **A cap on contributors.** With P contributing members and a cap of C, each peer sends a payload
-  every ``floor(P / C)`` rounds, in the rounds whose number is its phase (its rank among the
-  members' sorted ids) modulo that stride. Between two payloads it sums its steps' gradients, so no
-  sample is lost; the payload says the samples behind it and weighs by them.
+* **A cap on contributors.** With P contributing members and a cap of C, k = ``floor(P / C)``.
+  By bytes (the default, and windows of local steps always) every peer sends every round at 1/k of
+  its entries (swarm/pacing.py: nothing here but k). By rounds (--cap-by rounds) each peer sends a
+  payload every k rounds, in the rounds whose number is its phase (its rank among the members'
+  sorted ids) modulo that stride; between two payloads it sums its steps' gradients, so no sample
+  is lost; the payload says the samples behind it and weighs by them.
 * **Free-running slow peers.** A peer whose compute takes clearly longer than the swarm's median
   stops waiting for each round: it computes step after step, takes the rounds that are complete
   when it looks, and sends what it has summed when its declared round is about to close.
@@ -41,8 +43,8 @@ def cap_stride(contributors: int, cap: int, limit: int | None = MAX_STRIDE) -> i
     of ``contributors`` send per round: floor(contributors / cap), at least 1, so a robust rule
     always has ``cap`` payloads to work on; ``cap`` 0 is no cap (every round). At most ``limit``
     (MAX_STRIDE: the sum of a peer's steps between two payloads stays fresher than
-    --max-staleness); None: no limit, for the share of a window's payload, which sums nothing
-    (swarm/local_steps.py: every peer sends every window, at 1/k of its entries)."""
+    --max-staleness); None: no limit, for the share of a payload when the cap holds by bytes,
+    which sums nothing (swarm/pacing.py: every peer sends every round, at 1/k of its entries)."""
     if cap <= 0 or contributors < 2 * cap:
         return 1
     k = contributors // cap

@@ -205,16 +205,19 @@ function taskLine(t) {
     (tables ? ` · tables ${tables}` : "");
 }
 
-// the contributor cap at work (docs/design.md, "Uneven peers and large swarms"): per step a payload
-// every k rounds; in windows every window's payload at 1/k of its entries
+// the contributor cap at work (docs/design.md, "Uneven peers and large swarms"): payloads at 1/k
+// of their entries (in windows, and per step with --cap-by bytes), or per step a payload every k
+// rounds (--cap-by rounds, or a free-running peer's own stride)
 function capLine(s) {
   const p = s.pacing || {};
-  const k = (s.sync_every > 1 ? p.payload_share : p.stride) || 1;
-  if (k <= 1) return "";
-  return s.sync_every > 1
-    ? ` · payloads at 1/${k} of their entries (--max-contributors ${p.max_contributors})`
-    : ` · a payload every ${k} rounds` +
-      (p.free_running ? " (free-running)" : ` (--max-contributors ${p.max_contributors})`);
+  const share = p.payload_share || 1, stride = s.sync_every > 1 ? 1 : (p.stride || 1);
+  let line = "";
+  if (share > 1) line += ` · payloads at 1/${share} of their entries (--max-contributors ${p.max_contributors})`;
+  if (stride > 1) {
+    line += ` · a payload every ${stride} rounds` +
+      (p.free_running ? " (free-running)" : ` (--max-contributors ${p.max_contributors}, --cap-by rounds)`);
+  }
+  return line;
 }
 
 function render(s) {
