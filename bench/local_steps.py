@@ -66,7 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("configs", nargs="*", default=[""], help='peer.py flags per configuration ("" = per-step)')
     ap.add_argument("--peers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=192, help="inner steps (a multiple of every --sync-every)")
+    ap.add_argument("--steps", type=int, default=192, help="inner steps (the peers end with a shorter window when it is not a multiple of a --sync-every)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--table-rows", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0)

@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
       "(SparseLoCo's outer momentum; 1 = exact error feedback, the default)")
     a("--sync-every", type=int, metavar="H", help="local steps: take H steps of the task's optimizer on this "
       "peer's copy, then send one compressed pseudo-gradient (global minus local parameters) per window; "
-      "--steps counts these inner steps and must be a multiple of H (default 1: every step is a round)")
+      "--steps counts these inner steps (the last window takes what is left when it is not a multiple of H; "
+      "default 1: every step is a round)")
     a("--outer-lr", type=float, help="with --sync-every: the outer step's learning rate on the aggregated "
       "pseudo-gradient (default 1.0: with no momentum, the peers' models are averaged)")
     a("--outer-momentum", type=float, help="with --sync-every: the outer step's momentum (default 0)")

@@ -221,10 +221,6 @@ class PeerConfig:
         need(self.chunk == 0 or 64 <= self.chunk <= 1 << 24, f"--chunk must be 0 or in 64..{1 << 24}, got {self.chunk}")
         need(0 < self.ef_decay <= 1, f"--ef-decay must be in (0, 1], got {self.ef_decay}")
         need(1 <= self.sync_every <= 100000, f"--sync-every must be in 1..100000, got {self.sync_every}")
-        need(self.steps % self.sync_every == 0,
-             f"--steps ({self.steps}) must be a multiple of --sync-every ({self.sync_every}): the run ends with a whole window")
-        need(self.budget % self.sync_every == 0,
-             f"--budget ({self.budget}) must be a multiple of --sync-every ({self.sync_every})")
         need(0 < self.outer_lr <= 10, f"--outer-lr must be in (0, 10], got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         need(self.outer_nesterov in (0, 1), f"--outer-nesterov must be 0 or 1, got {self.outer_nesterov}")

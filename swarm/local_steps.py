@@ -145,8 +145,8 @@ class LocalSteps:
                 await pulled  # in order: rows an earlier pull claimed are in
                 clock.mark("rows")
                 ahead.extend(await self._refill(role, len(ahead), h - i - 1))
-                # the swarm's inner step this one stands for (a short window's steps spread over its H)
-                peer.inner_step = w * self.h + (i + 1) * self.h // h
+                # the swarm's inner step this one stands for (a short window's steps spread over its length)
+                peer.inner_step = w * self.h + (i + 1) * self.length(w) // h
                 stats = await peer.work(self._inner, batch, want)
                 ends.append(time.monotonic())
                 clock.mark("compute")
@@ -163,7 +163,7 @@ class LocalSteps:
                     peer.event("window", f"window {w}: the others' windows are over (their payloads or row "
                                          f"pushes are in); sending after {i + 1} "
                                          f"of {h} inner steps")
-                    h, peer.inner_step = i + 1, (w + 1) * self.h
+                    h, peer.inner_step = i + 1, w * self.h + self.length(w)
                     break
                 if i + 1 < h:
                     clock.end()
@@ -428,10 +428,20 @@ class LocalSteps:
             got, absent = await role.pull(need)
             await self.peer.work(self.peer.window_rows.add, need, got, absent)
 
+    def length(self, w: int) -> int:
+        """The swarm's length of window ``w``: H, but the run's last window takes the inner steps
+        --steps has left (--steps need not be a multiple of H)."""
+        steps = self.peer.cfg.steps
+        return min(self.h, steps - w * self.h) if steps and self.peer.is_last_round(w) else self.h
+
     def steps_for(self, w: int) -> int:
-        """Inner steps window ``w`` takes: H, or (--free-run 1, no --overlap) what core/cadence.py
-        window_steps makes of the newest of our windows whose round was taken knowing when the others'
-        ended (others_done_at then, against when ours was over by the same mark: cadence.window_over)."""
+        """Inner steps window ``w`` takes: its length (H, or what is left in the run's last), or
+        fewer (--free-run 1, no --overlap): what core/cadence.py window_steps makes of the newest of
+        our windows whose round was taken knowing when the others' ended (others_done_at then,
+        against when ours was over by the same mark: cadence.window_over)."""
+        return min(self.length(w), self._fit_steps(w))
+
+    def _fit_steps(self, w: int) -> int:
         if not self.fit:
             return self.h
         for r in sorted((r for r in self.windows if r < w), reverse=True):
@@ -492,7 +502,7 @@ class LocalSteps:
         entries (and of the byte floor) a sparse codec would send, the rest kept in the error
         feedback (docs/design.md, "The cap in windows")."""
         replica = self.peer.replica
-        if steps < self.h:
-            replica.skip_schedule(self.h - steps)
+        if steps < self.length(w):
+            replica.skip_schedule(self.length(w) - steps)
         return self.peer.compressor.compress(replica.end_window(self.overlap or keep, w), w, samples=samples or None,
                                              share=share)

@@ -170,7 +170,8 @@ class Peer:
         self.dropped_sends = 0
         # local steps (--sync-every H > 1): a round per window of H inner steps (docs/design.md)
         self.window = cfg.sync_every
-        self.rounds_total = cfg.steps // cfg.sync_every  # rounds --steps stands for (0: no end)
+        # rounds --steps stands for (0: no end); with local steps the last window takes what is left
+        self.rounds_total = -(-cfg.steps // cfg.sync_every)
         self.inner_step = 0  # inner steps of the window being computed, counted from the swarm's start
         self.window_steps = 0  # inner steps our last window took (fewer than --sync-every: a slow peer's)
         # inner steps before our last window's end that its row pushes went (--push-lead; the run's
@@ -1036,7 +1037,10 @@ class Peer:
     def position(self) -> int:
         """Steps of the task's optimizer the swarm has taken: rounds, or with local steps the inner
         steps up to the window being computed (what the progress line and the summary count)."""
-        return self.book.step if self.window == 1 else max(self.inner_step, self.book.step * self.window)
+        if self.window == 1:
+            return self.book.step
+        done = max(self.inner_step, self.book.step * self.window)
+        return min(done, self.cfg.steps) if self.cfg.steps else done  # a short last window
 
     async def publish_sketch(self) -> None:
         """The replica's sketch, for the status page and, in our membership metadata, for the other
