@@ -335,21 +335,30 @@ async def _start(**kw) -> Peer:
     return peer
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
-async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
-    kw = dict(steps=24, min_peers=3, sync_every=4, overlap=overlap, sketch_every=2)
+async def _run_three(before=None, **kw) -> tuple[tuple[Peer, Peer, Peer], list[dict], dict, list[dict]]:
+    """Three peers of ``kw`` run to the end (``before`` sees the first once all are started):
+    the peers (closed), their summaries, the first's status, and what each said (for a failure's
+    message: a rare failure here once gave no clue)."""
     a = await _start(**kw)
     b = await _start(join=f"127.0.0.1:{a.port}", **kw)
     c = await _start(join=f"127.0.0.1:{a.port}", **kw)
     try:
+        if before is not None:
+            before(a)
         results = await asyncio.wait_for(asyncio.gather(a.run(), b.run(), c.run()), 150)
         status = a.status()
     finally:
         for p in (a, b, c):
             await p.close()
-    # what each peer said, for a failure's message (a rare failure here once gave no clue)
     said = [{k: r.get(k) for k in ("steps", "rounds", "steps_contributed", "rounds_timed_out", "first_loss",
                                    "val_loss", "resyncs", "rows")} for r in results]
+    return (a, b, c), results, status, said
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+async def test_three_peers_in_windows_keep_bit_identical_replicas(overlap):
+    (a, b, c), results, status, said = await _run_three(steps=24, min_peers=3, sync_every=4, overlap=overlap,
+                                                        sketch_every=2)
     for r in results:
         assert r["steps"] == 24 and r["rounds"] == 6 and r["sync_every"] == 4, said
         assert r["steps_contributed"] == 24 and r["rounds_timed_out"] == 0, said
@@ -372,19 +381,11 @@ async def test_steps_that_are_not_a_multiple_of_h_end_with_a_shorter_last_window
     """--steps 10 with --sync-every 4: windows of 4, 4 and 2 inner steps; every peer takes 10, the
     learning-rate schedule moves 10 steps (none skipped for the short window), and the replicas
     agree."""
-    kw = dict(steps=10, min_peers=3, sync_every=4, sketch_every=1, overlap=overlap)
-    a = await _start(**kw)
-    b = await _start(join=f"127.0.0.1:{a.port}", **kw)
-    c = await _start(join=f"127.0.0.1:{a.port}", **kw)
-    assert a.rounds_total == 3 and a.local_steps.length(1) == 4 and a.local_steps.length(2) == 2
-    try:
-        results = await asyncio.wait_for(asyncio.gather(a.run(), b.run(), c.run()), 150)
-        status = a.status()
-    finally:
-        for p in (a, b, c):
-            await p.close()
-    said = [{k: r.get(k) for k in ("steps", "rounds", "steps_contributed", "rounds_timed_out", "first_loss",
-                                   "val_loss", "resyncs")} for r in results]
+    def lengths(a: Peer) -> None:
+        assert a.rounds_total == 3 and [a.local_steps.length(w) for w in range(3)] == [4, 4, 2]
+
+    (a, b, c), results, status, said = await _run_three(steps=10, min_peers=3, sync_every=4, sketch_every=1,
+                                                        overlap=overlap, before=lengths)
     for p, r in zip((a, b, c), results):
         assert r["steps"] == 10 and r["rounds"] == 3 and r["steps_contributed"] == 10, said
         assert r["rounds_timed_out"] == 0 and r["resyncs"] == {} and r["val_loss"] < r["first_loss"], said
