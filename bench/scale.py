@@ -680,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     smallest, largest = runs.get(str(min(peers)), {}), runs.get(str(max(peers)), {})
     cap = next((r["settings"].get("max_contributors") for r in runs.values()
                 if isinstance(r.get("settings"), dict) and r["settings"].get("max_contributors")), None)
+    cap_by = next((r["settings"].get("cap_by") for r in runs.values()
+                   if isinstance(r.get("settings"), dict) and r["settings"].get("cap_by")), None)
     # rows and control per peer step at the largest swarm, the SENT side for both directions: a
     # peer's summary counts received reply bodies only (not pushes and replicas arriving as
     # requests), while over the swarm every byte sent is received, so the mean over peers is equal
@@ -694,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         model["payload_from"] = (f"{min(peers)} peers' gradient bytes sent per step after the warmup (polled)" if steady
                                  else f"{min(peers)} peers' whole-run payload (warmup included)")
     result = last_line(runs, all_traffic, {
-        "paper_model": model, "max_contributors_reported": cap, "peer_args": a.peer_argv, "steps": a.steps,
+        "paper_model": model, "max_contributors_reported": cap, "cap_by_reported": cap_by, "peer_args": a.peer_argv, "steps": a.steps,
         "batch_size": a.batch_size, "run_seconds": durations, "seconds": round(time.time() - t_start, 1)})
     print(table(runs))
     out = Path(a.out) if a.out else log / "scale.json"
