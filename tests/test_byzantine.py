@@ -1,4 +1,5 @@
-"""A Byzantine peer: 1 of 5 sends sign-flipped gradients scaled x100 (valid payloads).
+"""A Byzantine peer: 1 of 5 sends sign-flipped gradients scaled x100 (valid payloads), with whole
+payloads and with payloads split by the contributor cap.
 
 Three in-process swarms of 5 peers on the same seed: clean (defaults), attacked with robust
 aggregation (the defaults: CenteredClip, msg_clip 2, banning; the ban made long enough to outlast the
@@ -38,8 +39,20 @@ def make_byzantine(peer: Peer, scale: float = -100.0) -> None:
     peer.compressor.compress = compress
 
 
-async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict], list[Peer]]:
-    """Run PEERS in-process peers to ``steps``; the last one is the attacker when ``attack``."""
+def watch_shares(peer: Peer, shares: list) -> None:
+    real = peer.compressor.compress
+
+    def compress(flat: torch.Tensor, step: int, **tags):
+        shares.append(tags.get("share", 1))
+        return real(flat, step, **tags)
+
+    peer.compressor.compress = compress
+
+
+async def run_swarm(attack: bool, steps: int = STEPS, shares: list | None = None,
+                    **kw) -> tuple[list[dict], list[Peer]]:
+    """Run PEERS in-process peers to ``steps``; the last one is the attacker when ``attack``.
+    ``shares``: gets the share of every honest payload (Compressor.compress's ``share``)."""
     kw = {**TABLES, **kw}
     first = Peer(small_cfg(steps=steps, min_peers=PEERS, **kw), out=lambda line: None)
     await first.start()
@@ -51,6 +64,9 @@ async def run_swarm(attack: bool, steps: int = STEPS, **kw) -> tuple[list[dict],
             await p.start()
             peers.append(p)
             await settled(peers)
+        if shares is not None:
+            for p in peers[:-1]:
+                watch_shares(p, shares)
         if attack:
             make_byzantine(peers[-1])
         results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 200)
@@ -91,7 +107,12 @@ async def test_one_byzantine_peer_of_five_robust_vs_mean():
     assert v_robust <= 1.10 * v_clean, (v_clean, v_robust)
     assert not math.isfinite(v_plain) or v_plain > 1.2 * v_clean, (v_clean, v_plain)
 
-    # every honest peer banned the attacker, at the same round, and refused its later payloads
+    assert_banned_alike(robust, rpeers)
+
+
+def assert_banned_alike(robust: list[dict], rpeers: list[Peer]) -> None:
+    """Every honest peer banned the attacker (last), at the same round, refused its later payloads
+    and never banned an honest one, and the honest replicas stayed identical."""
     attacker = rpeers[-1].id
     outliers = set()
     for p in rpeers[:-1]:
@@ -106,3 +127,19 @@ async def test_one_byzantine_peer_of_five_robust_vs_mean():
     # the ban starts at the same round everywhere, so the honest replicas stay identical
     for r in robust[1:PEERS - 1]:
         assert rel_l2(robust[0]["param_sketch"], r["param_sketch"]) <= 1e-3
+
+
+async def test_one_byzantine_peer_of_five_when_the_cap_splits_payloads():
+    """--max-contributors 2 with 5 peers: every payload carries half its entries (the cap by bytes),
+    so the robust rules work on sparser, less overlapping payloads (a receiver does not check a
+    payload's share: its size is its sender's business); the attacker is still clipped and banned
+    alike everywhere, and the swarm ends within 10% of the same swarm unattacked."""
+    shares: list[int] = []
+    clean, _ = await run_swarm(False, max_contributors=2)
+    robust, rpeers = await run_swarm(True, max_contributors=2, ban_seconds=600.0, shares=shares)
+    assert shares.count(2) >= 0.9 * len(shares) and len(shares) >= (PEERS - 1) * STEPS, shares
+    v_clean, v_robust = val_loss(clean), val_loss(robust)
+    print(f"split payloads: val_loss clean {v_clean:.4f} attacked+robust {v_robust:.4f}")
+    assert all(r["steps"] == STEPS and r["rounds_timed_out"] == 0 for r in clean + robust)
+    assert v_robust <= 1.10 * v_clean, (v_clean, v_robust)
+    assert_banned_alike(robust, rpeers)
