@@ -219,6 +219,8 @@ async def test_metrics_are_prometheus_text_from_a_registry_per_peer(pair):
         members = {s.labels["state"]: s.value for s in f["swarm_members"].samples}
         assert members["alive"] == 2
         assert f["swarm_compression_ratio"].samples[0].value > 10
+        # two peers: under the contributor cap, whole payloads every round
+        assert f["swarm_payload_share"].samples[0].value == 1 and f["swarm_payload_stride"].samples[0].value == 1
         # where its steps go: every phase, in seconds, and the share spent waiting on the other
         phases = {s.labels["phase"]: s.value for s in f["swarm_step_phase_seconds"].samples}
         assert set(phases) == {"rows", "compute", "send", "held", "round", "apply", "after"}

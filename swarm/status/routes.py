@@ -168,6 +168,11 @@ class PeerCollector(Collector):
         yield _counter("swarm_payload_bytes", "Gradient payload bytes produced (once, not per target).",
                        prog.wire_bytes)
         yield _counter("swarm_payload_dense_bytes", "fp32 bytes of the same gradients.", prog.dense_equiv)
+        pacing = p.pacing.status()
+        yield _gauge("swarm_payload_share", "Each payload of this peer carries 1/this of the entries its codec "
+                     "would send (the contributor cap by bytes; 1: whole payloads).", pacing["payload_share"])
+        yield _gauge("swarm_payload_stride", "Rounds between two payloads of this peer (the cap by rounds, or a "
+                     "free-running peer's own; 1: every round).", pacing["stride"])
         if prog.wire_bytes:
             yield _gauge("swarm_compression_ratio", "Dense fp32 bytes per payload byte, since start.",
                          prog.dense_equiv / prog.wire_bytes)
