@@ -187,6 +187,17 @@ class PeerConfig:
         per sample at H=32, val_loss within noise). Read after the swarm's settings are agreed."""
         return self.row_dtype or ("int4" if self.sync_every > 1 else "int8")
 
+    def local_step_hint(self) -> str | None:
+        """One line for the peer that starts a swarm in windows of local steps with the codec left
+        at its per-step defaults (None otherwise): the settings measured best in windows
+        (bench/wan.py's swarm-h32), which it may have meant. A joiner adopts the swarm's settings,
+        so it gets none."""
+        if self.sync_every <= 1 or self.join or any(self.is_given(n) for n in LOCAL_STEP_BEST):
+            return None
+        flags = " ".join(f"--{n.replace('_', '-')} {v}" for n, v in LOCAL_STEP_BEST.items())
+        return (f"note: --sync-every {self.sync_every} with the per-step codec settings; measured best in windows: "
+                f"{flags} (README, \"Slow links: local steps\")")
+
     def eval_pull_dtype(self) -> str:
         """The dtype of the rows an evaluation pulls: the training pulls', but never below int8, so
         that val_loss measures the model rather than int4's rounding (a peer reads its own slots
@@ -365,6 +376,8 @@ def field_names() -> list[str]:
 
 
 PUSH_ACKS = ("auto", "applied", "replicated")
+# the codec settings measured best in windows of local steps (bench/wan.py LOCAL_STEP, docs/benchmarks.md)
+LOCAL_STEP_BEST = {"compression": "topk-int2", "ratio": 0.02, "ef_decay": 0.95, "row_ratio": 0.25}
 WIRE_COMPRESSIONS = ("zstd", "none")
 
 

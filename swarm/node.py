@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -293,9 +294,9 @@ class Peer:
                                                     deltas=self.window > 1),
                                    inits=self.replica.table_inits, row_clip=self.cfg.row_clip)
         if not self.cfg.secret:
-            import sys
-
             print("warning: no --secret: this swarm is open to anyone who can reach it", file=sys.stderr, flush=True)
+        if (hint := self.cfg.local_step_hint()) is not None:
+            print(hint, file=sys.stderr, flush=True)
         self.guard = guard_for(self)  # per-client limits (swarm/guard.py); None with --client-limits 0
         # auto_decompress off: a compressed body is decompressed after its signature is checked,
         # within its route's limit (server.authenticate, swarm/encoding.py)

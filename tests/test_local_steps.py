@@ -309,6 +309,23 @@ def test_local_step_settings_are_swarm_wide_and_checked():
             PeerConfig(**bad).validate()
 
 
+def test_the_peer_that_starts_windows_with_the_per_step_codec_is_told_the_settings_measured_best():
+    from swarm.config import LOCAL_STEP_BEST
+    hint = PeerConfig(sync_every=32).local_step_hint()
+    assert hint is not None and "--compression topk-int2 --ratio 0.02 --ef-decay 0.95 --row-ratio 0.25" in hint
+    assert PeerConfig().local_step_hint() is None  # per-step rounds
+    assert PeerConfig(sync_every=32, join="127.0.0.1:1").local_step_hint() is None  # a joiner adopts
+    assert PeerConfig(sync_every=32, compression="none").local_step_hint() is None  # it chose a codec
+    assert parse_config(["--sync-every", "8", "--ratio", "0.01"])[0].local_step_hint() is None  # given, even at its default
+    assert parse_config(["--sync-every", "8"])[0].local_step_hint() is not None
+    # the same settings as the benchmark's local-step methods (bench/wan.py LOCAL_STEP)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_wan_hint", Path(__file__).parents[1] / "bench" / "wan.py")
+    wan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wan)
+    assert {k: wan.LOCAL_STEP[k] for k in LOCAL_STEP_BEST} == LOCAL_STEP_BEST
+
+
 def test_pulled_rows_default_to_int4_with_local_steps_and_int8_per_step():
     assert PeerConfig().pull_dtype() == "int8" and PeerConfig(sync_every=32).pull_dtype() == "int4"
     assert PeerConfig(sync_every=32, row_dtype="bf16").pull_dtype() == "bf16"
