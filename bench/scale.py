@@ -678,10 +678,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     smallest, largest = runs.get(str(min(peers)), {}), runs.get(str(max(peers)), {})
-    cap = next((r["settings"].get("max_contributors") for r in runs.values()
-                if isinstance(r.get("settings"), dict) and r["settings"].get("max_contributors")), None)
-    cap_by = next((r["settings"].get("cap_by") for r in runs.values()
-                   if isinstance(r.get("settings"), dict) and r["settings"].get("cap_by")), None)
+    def reported(name: str):
+        """A swarm setting as the runs' summaries report it (the first that does)."""
+        return next((r["settings"].get(name) for r in runs.values()
+                     if isinstance(r.get("settings"), dict) and r["settings"].get(name)), None)
+
+    cap, cap_by = reported("max_contributors"), reported("cap_by")
     # rows and control per peer step at the largest swarm, the SENT side for both directions: a
     # peer's summary counts received reply bodies only (not pushes and replicas arriving as
     # requests), while over the swarm every byte sent is received, so the mean over peers is equal

@@ -495,7 +495,7 @@ class LocalSteps:
     def _payload(self, w: int, steps: int, samples: int, keep: bool = False, share: int = 1) -> Encoded:
         """The window's pseudo-gradient, compressed as round ``w``'s payload, saying the ``samples``
         behind it (its weight where the window's payloads say different ones: a slow peer's short
-        window, core/cadence.py window_steps); a window of ``steps`` < H inner steps also moves the
+        window, core/cadence.py window_steps); a window of fewer ``steps`` than its length also moves the
         learning-rate schedule on by the steps it left out, so it stays the swarm's (training thread).
         ``keep``: the local model stays as it is, for an early step to go on from (_early_step).
         ``share``: the contributor cap's k (Pacing.payload_share): the payload carries 1/k of the

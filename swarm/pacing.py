@@ -62,30 +62,32 @@ class Pacing:
         cfg = self.peer.cfg
         return cfg.sync_every > 1 or (cfg.cap_by == "bytes" and cfg.compression != "none")
 
-    def cap_stride(self) -> int:
-        """Rounds between two of our payloads that the cap asks for: k (at most cadence.MAX_STRIDE)
-        when it holds by rounds, else 1."""
+    def _cap(self, contributors: int) -> tuple[int, int]:
+        """(stride, share) the cap asks of us with ``contributors``: by rounds, a payload every k
+        rounds (at most cadence.MAX_STRIDE) at whole size; by bytes, every round at 1/k of its
+        entries, k the cap's floor(P / C) without the stride's limit, as such a payload is not a
+        sum of stale steps, so a peer's payload bytes stay about C payloads' at any swarm size."""
         if self.splits_bytes():
-            return 1
-        return cadence.cap_stride(len(self.contributor_ids()), self.cap)
+            return 1, cadence.cap_stride(contributors, self.cap, limit=None)
+        return cadence.cap_stride(contributors, self.cap), 1
+
+    def cap_stride(self) -> int:
+        """Rounds between two of our payloads that the cap asks for (1 when it holds by bytes)."""
+        return self._cap(len(self.contributor_ids()))[0]
 
     def payload_share(self) -> int:
-        """k, where our payloads carry 1/k of the entries their codec would send when the cap holds
-        by bytes (else 1): the cap's floor(P / C) without the stride's limit, as such a payload is
-        not a sum of stale steps, so a peer's payload bytes stay about C payloads' at any swarm
-        size."""
-        if not self.splits_bytes():
-            return 1
-        return cadence.cap_stride(len(self.contributor_ids()), self.cap, limit=None)
+        """k, where our payloads carry 1/k of the entries their codec would send (1 when the cap
+        holds by rounds)."""
+        return self._cap(len(self.contributor_ids()))[1]
 
     def plan_next(self, after: int) -> Send:
         """What we send with round ``after``'s payload: the round we declare next (the cap's
         rotation, or further on when our compute needs it: a free-running peer) and the share of
         its entries it carries."""
         ids = self.contributor_ids()
-        cap_k = self.cap_stride()
+        cap_k, share = self._cap(len(ids))
         ph = cadence.phase(self.peer.id, ids, cap_k)
-        return Send(cadence.next_round(after, max(cap_k, self.pace.stride()), cap_k, ph), self.payload_share())
+        return Send(cadence.next_round(after, max(cap_k, self.pace.stride()), cap_k, ph), share)
 
     def due_round(self, step: int) -> int:
         """The round our next payload is for, as of taking round ``step``: the one we declared, or
@@ -159,8 +161,9 @@ class Pacing:
     def status(self) -> dict:
         ms = self.pace.step_s()
         per = self.pace.period()
+        cap_k, share = self._cap(len(self.contributor_ids()))
         return {"max_contributors": self.cap, "next_round": self.next_round, "free_running": self.pace.free,
-                "stride": max(self.cap_stride(), self.pace.stride()), "payload_share": self.payload_share(),
+                "stride": max(cap_k, self.pace.stride()), "payload_share": share,
                 "cap_by": "bytes" if self.splits_bytes() else "rounds",
                 "pending_steps": self._steps,
                 "payloads_sent": self.sent, "steps_summed": self.summed,

@@ -95,6 +95,22 @@ async def start_peers(n: int, **kw) -> list[Peer]:
     return peers
 
 
+def watch_shares(peer: Peer, shares: list, entries: list | None = None) -> None:
+    """Append to ``shares`` the share every payload of ``peer`` is compressed at from now on
+    (Compressor.compress's ``share``: the contributor cap by bytes), and to ``entries`` (when given)
+    the entries it carried."""
+    real = peer.compressor.compress
+
+    def compress(*args, **kwargs):
+        enc = real(*args, **kwargs)
+        shares.append(kwargs.get("share", 1))
+        if entries is not None:
+            entries.append(enc.k)
+        return enc
+
+    peer.compressor.compress = compress
+
+
 def signed(by, to: Peer, method: str, path: str, body: bytes | None = b"") -> dict:
     """The headers of a request from ``by`` (a Peer, or a PeerKey of a made-up member) for the peer
     ``to``: every /v1/* request is signed by its sender for its receiver (swarm/auth.py)."""

@@ -17,7 +17,7 @@ import torch
 
 from swarm.node import Peer
 
-from .conftest import rel_l2, small_cfg
+from .conftest import rel_l2, small_cfg, watch_shares
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,16 +35,6 @@ def make_byzantine(peer: Peer, scale: float = -100.0) -> None:
 
     def compress(flat: torch.Tensor, step: int, **tags):
         return honest(flat * scale, step, **tags)
-
-    peer.compressor.compress = compress
-
-
-def watch_shares(peer: Peer, shares: list) -> None:
-    real = peer.compressor.compress
-
-    def compress(flat: torch.Tensor, step: int, **tags):
-        shares.append(tags.get("share", 1))
-        return real(flat, step, **tags)
 
     peer.compressor.compress = compress
 

@@ -25,7 +25,7 @@ from swarm.tables import RowOptConfig
 from swarm.tables.window import WindowRows
 from swarm.transport import PeerUnreachable
 
-from .conftest import free_port, join_at, small_cfg, small_replica
+from .conftest import free_port, join_at, small_cfg, small_replica, watch_shares
 from .test_peer_cli import run_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -423,21 +423,16 @@ async def test_windows_with_more_peers_than_the_cap_send_every_window_at_a_share
     for cap in (2, 0):
         a = await _start(max_contributors=cap, **kw)
         peers = [a] + [await _start(join=f"127.0.0.1:{a.port}", max_contributors=cap, **kw) for _ in range(3)]
-        shares = []
-        real = [p.compressor.compress for p in peers]
-        for p, compress in zip(peers, real):
-            def spy(*args, compress=compress, **kwargs):
-                enc = compress(*args, **kwargs)
-                shares.append((kwargs.get("share", 1), enc.k))
-                return enc
-            p.compressor.compress = spy
+        sent_shares, sent_entries = [], []
+        for p in peers:
+            watch_shares(p, sent_shares, sent_entries)
         try:
             results = await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 240)
             flat = [p.replica.global_flat.clone() for p in peers]
         finally:
             for p in peers:
                 await p.close()
-        runs[cap] = results, flat, shares
+        runs[cap] = results, flat, list(zip(sent_shares, sent_entries))
     said = {cap: [{k: r.get(k) for k in ("steps", "rounds", "rounds_timed_out", "first_loss", "val_loss",
                                          "resyncs", "bytes_sent")} for r in results]
             for cap, (results, _, _) in runs.items()}

@@ -15,7 +15,7 @@ from swarm.core import cadence, rounds
 from swarm.core.meta import PeerMeta
 from swarm.node import Peer
 
-from .conftest import small_cfg, start_peers
+from .conftest import small_cfg, start_peers, watch_shares
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -332,13 +332,7 @@ def _spy_shares(peers: list) -> dict[int, list[int]]:
     """The share each peer's payloads were compressed at, in order (Compressor.compress's ``share``)."""
     shares: dict[int, list[int]] = {i: [] for i in range(len(peers))}
     for i, p in enumerate(peers):
-        real = p.compressor.compress
-
-        def spy(*args, i=i, real=real, **kwargs):
-            shares[i].append(kwargs.get("share", 1))
-            return real(*args, **kwargs)
-
-        p.compressor.compress = spy
+        watch_shares(p, shares[i])
     return shares
 
 

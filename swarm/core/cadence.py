@@ -1,7 +1,7 @@
 """When a peer contributes: the round it declares next, and whether it holds rounds up (sans-I/O).
 
-Two things keep a round from waiting on every member, every step (docs/design.md, "Uneven peers
-and large swarms"):
+Two things keep a growing or uneven swarm from costing each peer more (docs/design.md, "Uneven
+peers and large swarms"):
 
 * **A cap on contributors.** With P contributing members and a cap of C, k = ``floor(P / C)``.
   By bytes (the default, and windows of local steps always) every peer sends every round at 1/k of
